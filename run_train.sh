@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Launch Titan on this machine with torchrun, one process per GPU (gloo processes on a CPU-only machine).
+#   NGPU=8 CONFIG_FILE=configs/llama3_8b.toml ./run_train.sh --training.steps 100
+# Environment: NGPU (processes, default 1), CONFIG_FILE (default configs/debug_model.toml),
+# LOG_RANK (ranks that print info, comma-separated, default 0). Other arguments go to train.py.
+# Across nodes, call torchrun yourself (see README.md).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+NGPU="${NGPU:-1}"
+CONFIG_FILE="${CONFIG_FILE:-$ROOT/configs/debug_model.toml}"
+PYTHON="${PYTHON:-python3}"
+export LOG_RANK="${LOG_RANK:-0}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+
+for arg in "$@"; do
+    if [[ "$arg" == "-h" || "$arg" == "--help" ]]; then
+        exec "$PYTHON" "$ROOT/train.py" --job.config_file "$CONFIG_FILE" "$@"
+    fi
+done
+
+# titan.launch is torchrun that checks the config once before starting ranks and passes a failed
+# rank's exit code through (2: config or data mistake, 3: non-finite loss).
+exec "$PYTHON" -m titan.launch --standalone --nnodes=1 --nproc_per_node="$NGPU" \
+    "$ROOT/train.py" --job.config_file "$CONFIG_FILE" "$@"

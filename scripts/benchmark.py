@@ -1,0 +1,121 @@
+"""Titan's train step against a bare PyTorch loop on the same model and batches, in one process.
+
+    python scripts/benchmark.py                                   # debug model on CPU
+    python scripts/benchmark.py --steps 20 -- --model.flavor 1B --training.seq_len 2048 \
+        --training.mixed_precision_param bfloat16 --training.compile
+
+Everything after `--` is a Titan flag (on top of configs/debug_model.toml). Both loops run the same
+model, batches, optimizer and clipping; Titan adds its data loader, NaN guard and metrics. Prints tokens/s
+of each and their ratio (the target is Titan within 3% of bare).
+"""
+
+import argparse
+import contextlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from titan.config.check import load_job_config  # noqa: E402
+from titan.config.dtypes import to_dtype  # noqa: E402
+from titan.metrics.log import init_logger  # noqa: E402
+from titan.models.llama.init import init_weights  # noqa: E402
+from titan.models.llama.loss import cross_entropy_loss  # noqa: E402
+from titan.models.llama.model import Transformer  # noqa: E402
+from titan.train.trainer import Trainer  # noqa: E402
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_titan(trainer: Trainer, warmup: int, steps: int) -> float:
+    """Seconds for `steps` Titan train steps after `warmup` untimed ones."""
+    data_iterator = iter(trainer.dataloader)
+    for _ in range(warmup):
+        trainer.train_step(data_iterator)
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step(data_iterator)
+    synchronize(trainer.device)
+    return time.perf_counter() - start
+
+
+def time_bare(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int) -> float:
+    """Seconds for a minimal loop (forward, loss, backward, clip, AdamW) over `batches` after `warmup` steps."""
+    cfg = trainer.cfg
+    torch.manual_seed(cfg.training.seed)
+    with torch.device("meta"):
+        model = Transformer(trainer.model_args)
+    if cfg.training.compile:
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    model.to_empty(device=trainer.device)
+    with torch.no_grad():
+        init_weights(model, buffer_device=trainer.device)
+    loss_fn = torch.compile(cross_entropy_loss) if cfg.training.compile else cross_entropy_loss
+    o = cfg.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay, foreach=o.implementation == "foreach",
+                                  fused=o.implementation == "fused")
+    dtype = to_dtype(cfg.training.mixed_precision_param)
+    autocast = (contextlib.nullcontext() if dtype == torch.float32
+                else torch.autocast(trainer.device.type, dtype=dtype))
+    vocab_size = trainer.model_args.vocab_size
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        with autocast:
+            logits = model(inputs)
+        loss_fn(logits, labels, vocab_size).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
+        optimizer.step()
+
+    for inputs, labels in batches[:warmup]:
+        step(inputs, labels)
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    for inputs, labels in batches[warmup:]:
+        step(inputs, labels)
+    synchronize(trainer.device)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per loop")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator)")
+    parser.add_argument("--repeats", type=int, default=2, help="alternate titan/bare this many times, keep the best")
+    parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
+    args = parser.parse_args()
+    init_logger()
+    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
+            "/tmp/titan_benchmark", *args.titan_flags]
+    trainer = Trainer(load_job_config(argv, world_size=1))
+    t = trainer.cfg.training
+    if t.global_batch_size not in (-1, t.local_batch_size):
+        raise SystemExit("benchmark.py compares single micro-batch steps: leave --training.global_batch_size at -1")
+    data_iterator = iter(trainer.dataloader)
+    batches = [tuple(x.to(trainer.device) for x in next(data_iterator)) for _ in range(args.warmup + args.steps)]
+    tokens = t.local_batch_size * t.seq_len * args.steps
+
+    titan_seconds, bare_seconds = [], []
+    for _ in range(args.repeats):
+        titan_seconds.append(time_titan(trainer, args.warmup, args.steps))
+        bare_seconds.append(time_bare(trainer, batches, args.warmup))
+    titan_tps, bare_tps = tokens / min(titan_seconds), tokens / min(bare_seconds)
+    print(f"model {trainer.cfg.model.flavor}  device {trainer.device}  batch {t.local_batch_size}x{t.seq_len}  "
+          f"dtype {t.mixed_precision_param}  compile {t.compile}  steps {args.steps} (best of {args.repeats})")
+    print(f"titan  tokens/s {titan_tps:12,.0f}")
+    print(f"bare   tokens/s {bare_tps:12,.0f}")
+    print(f"titan/bare ratio {titan_tps / bare_tps:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Config parsing, precedence and every config error path, through the real parser and validator."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.config.job import JobConfig
+from titan.config.load import load_toml, parse_args, to_toml
+from titan.config.validate import validate
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_then_toml_then_cli(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[training]\nsteps = 7\nseq_len = 128\n[optimizer]\nlr = 1e-3\n")
+    cfg = parse_args(["--job.config_file", toml, "--training.steps", "50"])
+    assert cfg.training.steps == 50  # CLI beats TOML
+    assert cfg.training.seq_len == 128  # TOML beats default
+    assert cfg.optimizer.lr == 1e-3
+    assert cfg.training.local_batch_size == JobConfig().training.local_batch_size  # default kept
+
+
+def test_torchtitan_spellings_parse() -> None:
+    cfg = parse_args([
+        "--training.steps", "50", "--training.compile", "--model.converters", "mx", "--model.print_after_conversion",
+        "--optimizer.lr", "3e-4", "--training.local_batch_size", "4", "--training.seq_len", "512",
+        "--training.max_norm", "0.5", "--model.flavor", "1B", "--job.dump_folder", "/tmp/x",
+        "--metrics.log_freq", "5", "--metrics.enable_tensorboard",
+    ])
+    assert cfg.training.steps == 50 and cfg.training.compile and cfg.model.print_after_conversion
+    assert cfg.model.converters == ["mx"]
+    assert cfg.optimizer.lr == 3e-4 and cfg.training.local_batch_size == 4 and cfg.training.seq_len == 512
+    assert cfg.training.max_norm == 0.5 and cfg.model.flavor == "1B" and cfg.job.dump_folder == "/tmp/x"
+    assert cfg.metrics.log_freq == 5 and cfg.metrics.enable_tensorboard
+
+
+@pytest.mark.parametrize("args", [["float8", "mx"], ["float8,mx"], ["float8, mx"]])
+def test_converter_lists_and_commas(args: list[str]) -> None:
+    assert parse_args(["--model.converters", *args]).model.converters == ["float8", "mx"]
+
+
+def test_toml_list_or_comma_string(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[model]\nconverters = "float8,mx"\n')
+    assert parse_args(["--job.config_file", toml]).model.converters == ["float8", "mx"]
+
+
+def test_config_file_equals_form(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[training]\nsteps = 3\n")
+    assert parse_args([f"--job.config_file={toml}"]).training.steps == 3
+
+
+def test_unknown_section_and_key_suggest_closest(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[trainig]\nsteps = 3\n[optimizer]\nlearning_rate = 1.0\nlrr = 2.0\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", toml])
+    message = str(err.value)
+    assert "unknown section [trainig]" in message and "'training'" in message
+    assert "unknown key 'lrr' in [optimizer]" in message and "Did you mean 'lr'" in message
+    assert "learning_rate" in message
+    assert len(err.value.problems) == 3
+
+
+def test_toml_syntax_error_names_file_and_line(tmp_path: Path) -> None:
+    toml = write(tmp_path, "[training]\nsteps = 3\nseq_len = = 4\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", toml])
+    assert toml in str(err.value) and "line 3" in str(err.value)
+
+
+def test_toml_wrong_types_name_field_and_expected(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[training]\nsteps = "ten"\ncompile = 1\n[model]\nflavor = "2B"\n[optimizer]\nlr = 1\n')
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", toml])
+    message = str(err.value)
+    assert "[training] steps = 'ten' must be an integer" in message
+    assert "[training] compile = 1 must be true or false" in message
+    assert "[model] flavor = '2B' must be one of" in message and "'1B'" in message
+    assert len(err.value.problems) == 3  # an int where a float goes is fine
+
+
+def test_missing_config_file() -> None:
+    with pytest.raises(ConfigError, match="--job.config_file"):
+        parse_args(["--job.config_file", "/nonexistent/job.toml"])
+
+
+def test_cli_wrong_type_and_unknown_flag_exit_2(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--training.steps", "ten"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--training.stepz", "10"])
+    assert exit_info.value.code == 2
+    assert "--training.steps" in capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_its_doc(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for section in dataclasses.fields(JobConfig):
+        for f in dataclasses.fields(section.type):
+            assert f"--{section.name}.{f.name}" in text, f"--{section.name}.{f.name} missing from --help"
+    assert "Peak learning rate" in text
+
+
+def problems_for(*args: str, world_size: int = 1) -> list[str]:
+    cfg = parse_args(["--job.config_file", DEBUG_TOML, *args])
+    try:
+        validate(cfg, world_size)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_debug_config_is_valid() -> None:
+    assert problems_for() == []
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--training.global_batch_size", "12"], "--training.global_batch_size 12"),
+    (["--training.seq_len", "4096"], "--training.seq_len 4096"),
+    (["--model.converters", "int3"], "--model.converters"),
+    (["--model.tokenizer_path", "nope.model"], "--model.tokenizer_path 'nope.model'"),
+    (["--training.dataset", "text"], "--training.dataset_path"),
+    (["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/*.jsonl"], "--training.dataset_path"),
+    (["--optimizer.lr", "0"], "--optimizer.lr"),
+    (["--lr_scheduler.decay_ratio", "1.5"], "--lr_scheduler.decay_ratio"),
+    (["--training.steps", "0"], "--training.steps"),
+    (["--metrics.log_freq", "0"], "--metrics.log_freq"),
+])
+def test_each_cross_field_rule(args: list[str], field: str) -> None:
+    problems = problems_for(*args)
+    assert len(problems) == 1 and field in problems[0], problems
+
+
+def test_global_batch_suggests_a_valid_value() -> None:
+    (problem,) = problems_for("--training.global_batch_size", "12")
+    assert "Try 8" in problem
+    assert problems_for("--training.global_batch_size", "16") == []
+
+
+def test_all_problems_reported_together() -> None:
+    problems = problems_for("--training.global_batch_size", "12", "--model.converters", "int3",
+                            "--training.seq_len", "4096")
+    assert len(problems) == 3
+
+
+def test_world_size_is_validated() -> None:
+    with pytest.raises(ConfigError, match="NGPU=2"):
+        load_job_config(["--job.config_file", DEBUG_TOML], world_size=2)
+
+
+def test_written_config_reads_back_identically(tmp_path: Path) -> None:
+    cfg = parse_args(["--job.config_file", DEBUG_TOML, "--training.steps", "3", "--model.converters", "a,b",
+                      "--optimizer.eps", "1e-12", "--job.description", 'quote " and \\ slash'])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    again = load_toml(path)
+    again.job.config_file = cfg.job.config_file
+    assert again == cfg

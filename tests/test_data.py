@@ -1,0 +1,441 @@
+"""Tokenizer, BPE trainer, document sources, packing, sharding, resumable loading and every data error path."""
+
+import base64
+import copy
+import gzip
+import itertools
+import json
+import logging
+import random
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import tiktoken.load
+import torch
+
+from titan.config.errors import ConfigError
+from titan.config.job import Training
+from titan.data.bpe_train import train_bpe, write_tiktoken
+from titan.data.dataset import (
+    SHIPPED_CORPUS,
+    LocalDocuments,
+    PackedTokenDataset,
+    build_document_source,
+    read_jsonl_documents,
+    read_text_documents,
+)
+from titan.data.loader import build_dataloader
+from titan.data.tokenizer import (
+    LLAMA3_SPLIT_PATTERN,
+    SHIPPED_TOKENIZER,
+    Tokenizer,
+    build_tokenizer,
+    special_tokens_for,
+)
+from titan.metrics.log import logger
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return build_tokenizer(SHIPPED_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    return list(read_jsonl_documents(SHIPPED_CORPUS, origin="test"))
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def stream_of(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
+    """The BOS + tokens + EOS stream that packing cuts into windows."""
+    return [t for text in texts for t in tokenizer.encode(text, bos=True, eos=True)]
+
+
+def windows(dataset: PackedTokenDataset, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(itertools.islice(iter(dataset), count))
+
+
+# Tokenizer
+
+
+def test_shipped_tokenizer_ids(tokenizer: Tokenizer) -> None:
+    assert tokenizer.vocab_size == 2256
+    assert (tokenizer.bos_id, tokenizer.eos_id) == (2254, 2255)
+    ids = tokenizer.encode("hello world", bos=True, eos=True)
+    assert ids[0] == tokenizer.bos_id and ids[-1] == tokenizer.eos_id
+    assert tokenizer.encode("hello world", bos=False, eos=False) == ids[1:-1]
+    assert max(ids[1:-1]) < tokenizer.bos_id
+
+
+def test_shipped_tokenizer_reads_like_tiktoken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is in the format tiktoken's own loader reads (an empty cache dir turns its path cache off)."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")
+    ranks = tiktoken.load.load_tiktoken_bpe(str(ROOT / SHIPPED_TOKENIZER))
+    assert sorted(ranks.values()) == list(range(2254))
+    assert all(ranks[bytes([b])] == b for b in range(256))
+
+
+def test_round_trip_on_corpus(tokenizer: Tokenizer, corpus: list[str]) -> None:
+    for text in corpus[::20]:
+        ids = tokenizer.encode(text, bos=False, eos=False)
+        assert tokenizer.decode(ids) == text
+        assert len(ids) < len(text.encode("utf-8")) / 2  # trained on this text, so it compresses it
+
+
+def random_unicode(length: int) -> str:
+    rng = random.Random(0)
+    code_points = [rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0xD800), rng.randrange(0xE000, 0x110000)])
+                   for _ in range(length)]
+    return "".join(map(chr, code_points))
+
+
+@pytest.mark.parametrize("text", [
+    "", " ", "\n\n\r\n\t", "\x00\x01\x7f", "naïve café 日本語 🦙🔥 e\u0301 \u200b", "<|begin_of_text|><|end_of_text|>",
+    random_unicode(3000), "a" * 60_000, " " * 60_000 + "x", ("word " * 100_000) + "z" * 30_000,
+], ids=["empty", "space", "newlines", "controls", "mixed", "special-strings", "random", "long-run",
+        "long-space", "over-400k"])
+def test_round_trip_on_any_text(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, bos=False, eos=False)
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.bos_id not in ids and tokenizer.eos_id not in ids  # special strings are plain text
+
+
+def test_llama3_file_gets_llama3_special_ids(tmp_path: Path) -> None:
+    """A 128000-rank file is Llama 3's tokenizer.model: its special ids must be Meta's."""
+    three_byte = (bytes([0, a, b]) for a in range(256) for b in range(256))
+    tokens = [bytes([b]) for b in range(256)] + [bytes(p) for p in itertools.product(range(256), repeat=2)]
+    tokens += list(itertools.islice(three_byte, 128_000 - len(tokens)))
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(b"".join(base64.b64encode(t) + b" %d\n" % i for i, t in enumerate(tokens)))
+    llama = build_tokenizer(str(path))
+    assert (llama.bos_id, llama.eos_id, llama.vocab_size) == (128000, 128001, 128256)
+    special = special_tokens_for(128_000)
+    assert special["<|start_header_id|>"] == 128006
+    assert special["<|end_header_id|>"] == 128007
+    assert special["<|eot_id|>"] == 128009
+    assert special["<|python_tag|>"] == 128010
+    assert special["<|reserved_special_token_246|>"] == 128255  # reserved ids as numbered in Meta's llama3.1 code
+    assert max(llama.encode("<|eot_id|>", bos=False, eos=False)) < 128000
+    assert special_tokens_for(2254) == {"<|begin_of_text|>": 2254, "<|end_of_text|>": 2255}
+
+
+def test_relative_tokenizer_path_tries_cwd_then_project_root(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert build_tokenizer(SHIPPED_TOKENIZER).vocab_size == 2256  # from the project root
+    write_tiktoken(train_bpe(["abc abd abe"], num_ranks=258), tmp_path / SHIPPED_TOKENIZER)
+    assert build_tokenizer(SHIPPED_TOKENIZER).vocab_size == 260  # the working directory wins
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b'{"model": {"type": "BPE"}}\n', "not a tiktoken file: line 1"),
+    (b"AA== 0\nAQ== 1 2\n", "line 2 has extra fields"),
+    (b"AA== 0\nAA== 1\n", "listed twice"),
+    (b"AA== 0\nAQ== 5\n", "not exactly 0..1"),
+    (b"AA== 0\nAQ== 1\n", "256 single bytes"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "not a tiktoken file"),
+])
+def test_corrupt_tokenizer_file(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.tiktoken"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=r"--model\.tokenizer_path") as err:
+        build_tokenizer(str(path))
+    assert message in str(err.value)
+
+
+def test_missing_tokenizer_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--model\.tokenizer_path .*missing\.tiktoken.* is not a file"):
+        build_tokenizer(str(tmp_path / "missing.tiktoken"))
+
+
+# BPE trainer
+
+
+def test_train_bpe_size_round_trip_and_determinism(corpus: list[str]) -> None:
+    texts = corpus[:40]
+    ranks = train_bpe(texts, num_ranks=600)
+    assert len(ranks) == 600 and sorted(ranks.values()) == list(range(600))
+    assert all(ranks[bytes([b])] == b for b in range(256))
+    assert train_bpe(texts, num_ranks=600) == ranks
+    trained = Tokenizer(ranks, name="test")
+    assert trained.vocab_size == 602
+    for text in texts[:5]:
+        assert trained.decode(trained.encode(text, bos=False, eos=False)) == text
+
+
+def test_tiktoken_reproduces_every_merge(corpus: list[str]) -> None:
+    """Each learned token, encoded alone by tiktoken, is that one token: the merge order and tiktoken's
+    lowest-rank-first BPE agree. (Tokens that are partial UTF-8, or that the regex would split, can't be
+    given as text alone and are skipped.)"""
+    import regex
+
+    ranks = train_bpe(corpus[:40], num_ranks=600)
+    trained = Tokenizer(ranks, name="test")
+    checked = 0
+    for token, rank in ranks.items():
+        try:
+            text = token.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        if len(token) > 1 and regex.findall(LLAMA3_SPLIT_PATTERN, text) == [text]:
+            assert trained.encode(text, bos=False, eos=False) == [rank], text
+            checked += 1
+    assert checked > 300
+
+
+def test_shipped_tokenizer_is_reproducible(corpus: list[str]) -> None:
+    """scripts/train_tokenizer.py --vocab-size 2256 on the shipped corpus gives the shipped file."""
+    with open(ROOT / SHIPPED_TOKENIZER, "rb") as file:
+        shipped = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in file)}
+    assert train_bpe(corpus, num_ranks=2254) == shipped
+
+
+def test_train_tokenizer_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, corpus: list[str]) -> None:
+    text_file = tmp_path / "a.txt"
+    text_file.write_text("\n\n".join(corpus[40:50]))
+    jsonl_file = write_jsonl(tmp_path / "b.jsonl", corpus[50:60])
+    output = tmp_path / "out" / "tok.tiktoken"
+    argv = ["train_tokenizer.py", "--vocab-size", "500", "--input", str(text_file), str(jsonl_file),
+            "--output", str(output)]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(ROOT / "scripts" / "train_tokenizer.py"), run_name="__main__")
+    assert len(output.read_bytes().splitlines()) == 498
+    assert build_tokenizer(str(output)).vocab_size == 500
+
+
+def test_train_bpe_errors_name_vocab_size() -> None:
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        train_bpe(["some text"], num_ranks=100)
+    with pytest.raises(ConfigError, match="--vocab-size"):
+        train_bpe(["ab ab"], num_ranks=300)  # runs out of pairs to merge
+
+
+# Document sources
+
+
+def test_text_files_split_on_blank_lines(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("first line\nsecond line\n\n  \n\nnext doc\n\n\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.md").write_text("  indented\n")
+    (tmp_path / ".hidden").write_text("never read\n")
+    (tmp_path / "a.txt").write_text("only one")
+    expected = ["only one", "first line\nsecond line", "next doc", "  indented"]
+    source = build_document_source(Training(dataset="text", dataset_path=str(tmp_path)))
+    assert list(source.shard(0, 1)) == expected
+    glob_source = build_document_source(Training(dataset="text", dataset_path=str(tmp_path / "*.txt")))
+    assert list(glob_source.shard(0, 1)) == expected[:3]
+
+
+def test_jsonl_folder_reads_plain_and_gzip(tmp_path: Path) -> None:
+    write_jsonl(tmp_path / "a.jsonl", ["one", "two"])
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as file:
+        file.write(json.dumps({"text": "three", "id": 3}) + "\n\n")
+    (tmp_path / "notes.txt").write_text("not data")
+    source = build_document_source(Training(dataset="jsonl", dataset_path=str(tmp_path)))
+    assert list(source.shard(0, 1)) == ["one", "two", "three"]
+
+
+def test_shipped_corpus_is_small_and_loads(tokenizer: Tokenizer, corpus: list[str]) -> None:
+    assert SHIPPED_CORPUS.stat().st_size < 1_000_000  # the committed asset stays small
+    assert len(corpus) > 300 and 1_000_000 < sum(len(t.encode("utf-8")) for t in corpus) < 3_000_000
+    assert list(build_document_source(Training()).shard(0, 1)) == corpus
+    inputs, labels = next(iter(build_dataloader(tokenizer, Training(), dp_rank=0, dp_world_size=1)))
+    assert inputs.shape == labels.shape == (Training().local_batch_size, Training().seq_len)
+    assert inputs.dtype == labels.dtype == torch.int64
+
+
+@pytest.mark.parametrize("dp_world_size", [2, 3])
+def test_ranks_get_disjoint_documents_covering_all(tmp_path: Path, dp_world_size: int) -> None:
+    texts = [f"document number {i}" for i in range(10)]
+    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
+    shards = [list(source.shard(rank, dp_world_size)) for rank in range(dp_world_size)]
+    assert sorted(itertools.chain(*shards)) == sorted(texts)
+    assert sum(map(len, shards)) == len(texts)
+    assert shards[1] == texts[1::dp_world_size]
+
+
+# Packing, epochs and resuming
+
+
+def test_windows_are_consecutive_and_labels_shift(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
+    texts = corpus[:3]
+    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
+    seq_len = 64
+    dataset = PackedTokenDataset(source, tokenizer, seq_len, dp_rank=0, dp_world_size=1)
+    stream = stream_of(tokenizer, texts)
+    count = len(stream) // (seq_len + 1)
+    for k, (inputs, labels) in enumerate(windows(dataset, count)):
+        assert inputs.shape == labels.shape == (seq_len,) and inputs.dtype == torch.int64
+        window = stream[k * (seq_len + 1) : (k + 1) * (seq_len + 1)]
+        assert inputs.tolist() == window[:-1] and labels.tolist() == window[1:]
+
+
+def test_rank_packs_only_its_documents(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    texts = [f"doc {i}: " + "words " * i for i in range(12)]
+    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
+    dataset = PackedTokenDataset(source, tokenizer, seq_len=7, dp_rank=1, dp_world_size=3)
+    stream = stream_of(tokenizer, texts[1::3])
+    got = [t for inputs, labels in windows(dataset, len(stream) // 8) for t in [*inputs.tolist(), labels[-1].item()]]
+    assert got == stream[: len(got)]
+
+
+def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logger, "propagate", True)  # metrics.log.init_logger may have turned it off
+    caplog.set_level(logging.INFO, logger="titan")
+    texts = ["alpha beta gamma", "delta", "epsilon zeta eta theta"]
+    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
+    dataset = PackedTokenDataset(source, tokenizer, seq_len=4, dp_rank=0, dp_world_size=1)
+    epoch = stream_of(tokenizer, texts)
+    count = 4 * len(epoch) // 5 + 1  # a little over four epochs
+    got = [t for inputs, labels in windows(dataset, count) for t in [*inputs.tolist(), labels[-1].item()]]
+    assert got == (epoch * 5)[: len(got)]
+    starts = [r.getMessage() for r in caplog.records if "starts" in r.getMessage()]
+    assert [m.split()[2] for m in starts] == ["0", "1", "2", "3", "4"]
+
+
+# Documents of 3 tokens (BOS, letter, EOS) and windows of 6: every batch of 2 windows ends on a document
+# boundary, and batch 5 also ends exactly on an epoch boundary (60 tokens = 4 epochs of 15).
+ALIGNED_TEXTS = ["a", "b", "c", "d", "e"]
+RAGGED_TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, twice over.", "Fin.", "x" * 40]
+
+
+@pytest.mark.parametrize("texts, seq_len", [(ALIGNED_TEXTS, 5), (RAGGED_TEXTS, 9)], ids=["aligned", "ragged"])
+def test_loader_resumes_exactly_at_every_batch(tmp_path: Path, tokenizer: Tokenizer, texts: list[str],
+                                               seq_len: int) -> None:
+    """Resuming after k batches (mid-epoch, mid-document, on an epoch boundary) gives the same next batches."""
+    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", texts)),
+                        seq_len=seq_len, local_batch_size=2)
+    num_batches = 10  # several epochs of this data
+    reference = list(itertools.islice(build_dataloader(tokenizer, training, 0, 1), num_batches))
+    for k in range(num_batches):
+        interrupted = build_dataloader(tokenizer, training, 0, 1)
+        batches = iter(interrupted)
+        for _ in range(k):
+            next(batches)
+        resumed = build_dataloader(tokenizer, training, 0, 1)
+        resumed.load_state_dict(copy.deepcopy(interrupted.state_dict()))
+        for want, got in zip(reference[k:], itertools.islice(resumed, num_batches - k)):
+            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), k
+
+
+def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
+    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", corpus[:4])),
+                        seq_len=128, local_batch_size=4)
+    loader = build_dataloader(tokenizer, training, dp_rank=1, dp_world_size=2)
+    batches = iter(loader)
+    for _ in range(7):  # past the end of rank 1's first epoch
+        next(batches)
+    torch.save(loader.state_dict(), tmp_path / "state.pt")
+    expected = [next(batches) for _ in range(3)]
+    resumed = build_dataloader(tokenizer, training, dp_rank=1, dp_world_size=2)
+    resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
+    assert loader.state_dict()["dataset_state"]["epoch"] >= 1
+    for want, got in zip(expected, resumed):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+# Error paths
+
+
+def first_batch(tokenizer: Tokenizer, training: Training, dp_rank: int = 0, dp_world_size: int = 1) -> None:
+    next(iter(build_dataloader(tokenizer, training, dp_rank, dp_world_size)))
+
+
+@pytest.mark.parametrize("dataset, relative", [
+    ("text", "missing.txt"), ("jsonl", "missing/*.jsonl"), ("jsonl", "."),
+], ids=["missing-path", "glob-matches-nothing", "folder-without-jsonl"])
+def test_bad_dataset_path(tmp_path: Path, tokenizer: Tokenizer, dataset: str, relative: str) -> None:
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path"):
+        first_batch(tokenizer, Training(dataset=dataset, dataset_path=str(tmp_path / relative)))
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"text": "fine"}\n{"text": broken\n', "line 2 is not valid JSON"),
+    ('{"text": "fine"}\n\n{"body": "no text"}\n', 'line 3 has no string "text" field'),
+    ('["a list"]\n', 'line 1 has no string "text" field'),
+])
+def test_corrupt_jsonl_names_file_and_line(tmp_path: Path, tokenizer: Tokenizer, content: str, message: str) -> None:
+    path = tmp_path / "data.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path") as err:
+        first_batch(tokenizer, Training(dataset="jsonl", dataset_path=str(path), seq_len=8))
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+def test_corrupt_gzip_and_non_utf8_text(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "data.jsonl.gz").write_bytes(b"this is not gzip")
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path .*data\.jsonl\.gz can't be read"):
+        first_batch(tokenizer, Training(dataset="jsonl", dataset_path=str(tmp_path / "data.jsonl.gz")))
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path .*latin1\.txt is not UTF-8"):
+        first_batch(tokenizer, Training(dataset="text", dataset_path=str(tmp_path / "latin1.txt")))
+
+
+@pytest.mark.parametrize("name, content", [
+    ("empty.jsonl", ""), ("blank.txt", "\n \n\n"), ("empty-texts.jsonl", '{"text": ""}\n{"text": ""}\n'),
+])
+def test_empty_dataset(tmp_path: Path, tokenizer: Tokenizer, name: str, content: str) -> None:
+    (tmp_path / name).write_text(content)
+    dataset = "text" if name.endswith(".txt") else "jsonl"
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path .* has no documents with text"):
+        first_batch(tokenizer, Training(dataset=dataset, dataset_path=str(tmp_path / name), seq_len=8))
+
+
+def test_rank_without_documents(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", ["only " * 50])),
+                        seq_len=8)
+    first_batch(tokenizer, training, dp_rank=0, dp_world_size=2)
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path .*data-parallel rank 1 of 2"):
+        first_batch(tokenizer, training, dp_rank=1, dp_world_size=2)
+
+
+def test_data_shorter_than_one_window(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    texts = ["short", "texts"]
+    num_tokens = len(stream_of(tokenizer, texts))
+    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", texts)), seq_len=64)
+    with pytest.raises(ConfigError, match=r"--training\.dataset_path") as err:
+        first_batch(tokenizer, training)
+    assert f"only {num_tokens} tokens" in str(err.value) and "--training.seq_len 64 + 1 = 65" in str(err.value)
+
+
+def test_hf_local_folder_shards_and_resumes(tmp_path: Path, tokenizer: Tokenizer,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("datasets", reason="the hf source needs the optional `datasets` package (titan[hf])")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    texts = [f"hf document {i} " + "word " * i for i in range(12)]
+    write_jsonl(tmp_path / "train.jsonl", texts)
+    training = Training(dataset="hf", dataset_path=str(tmp_path), seq_len=16, local_batch_size=2)
+    source = build_document_source(training)
+    shards = [list(source.shard(rank, 3)) for rank in range(3)]
+    assert sorted(itertools.chain(*shards)) == sorted(texts)
+    reference = list(itertools.islice(build_dataloader(tokenizer, training, 1, 3), 6))
+    interrupted = build_dataloader(tokenizer, training, 1, 3)
+    batches = iter(interrupted)
+    for _ in range(2):
+        next(batches)
+    resumed = build_dataloader(tokenizer, training, 1, 3)
+    resumed.load_state_dict(interrupted.state_dict())
+    for want, got in zip(reference[2:], resumed):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_hf_without_datasets_package(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    with pytest.raises(ConfigError, match=r"--training\.dataset hf .*pip install titan\[hf\]"):
+        first_batch(tokenizer, Training(dataset="hf", dataset_path="some/dataset"))
+
+
+def test_text_reader_reports_the_origin_flag(tmp_path: Path) -> None:
+    (tmp_path / "x.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="--input"):
+        list(read_text_documents(tmp_path / "x.txt", origin="--input"))

@@ -1,0 +1,66 @@
+"""./run_train.sh end to end, as a user runs it: real torchrun, real processes, exit codes and messages."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
+    return subprocess.run([str(ROOT / "run_train.sh"), *args], capture_output=True, text=True, env=full_env,
+                          timeout=600)
+
+
+def test_run_train_sh_trains_and_writes_metrics(tmp_path: Path) -> None:
+    result = run_train("--training.steps", "10", "--job.dump_folder", str(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 10]
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert (tmp_path / "config.toml").is_file()
+    assert "Training finished after 10 steps" in result.stdout
+
+
+def test_config_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
+    result = run_train("--training.global_batch_size", "12", "--model.converters", "int3",
+                       "--job.dump_folder", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "--training.global_batch_size 12" in output and "'int3'" in output
+    assert "Traceback" not in output
+
+
+def test_unknown_flag_exits_2_with_suggestion(tmp_path: Path) -> None:
+    result = run_train("--training.stepz", "5", "--job.dump_folder", str(tmp_path))
+    assert result.returncode == 2
+    assert "--training.steps" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_data_error_exits_2_naming_field(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = run_train("--training.dataset", "text", "--training.dataset_path", str(empty),
+                       "--job.dump_folder", str(tmp_path / "out"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "--training.dataset_path" in output, output
+    assert "Traceback" not in output
+
+
+def test_diverging_run_stops_with_hint(tmp_path: Path) -> None:
+    # An absurd learning rate blows the weights up: the guard must stop at the first non-finite loss.
+    result = run_train("--training.steps", "20", "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+                       "--training.seq_len", "64", "--job.dump_folder", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    assert "Stopping:" in output and "at step 2;" in output and "--optimizer.lr" in output
+    assert "Traceback" not in output
+
+
+def test_help_lists_fields() -> None:
+    result = run_train("--help")
+    assert result.returncode == 0
+    assert "--training.local_batch_size" in result.stdout and "Peak learning rate" in result.stdout

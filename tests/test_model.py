@@ -1,0 +1,238 @@
+"""Llama 3 model: shapes, published sizes, RoPE and GQA against references, causality, loss, init, FLOPs."""
+
+import ast
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titan.models.llama import (
+    LLAMA3_FLAVORS,
+    ModelArgs,
+    Transformer,
+    cross_entropy_loss,
+    ffn_hidden_dim,
+    flops_per_token,
+    init_weights,
+    num_params,
+    padded_vocab_size,
+)
+from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
+from titan.models.llama.model import Attention, apply_rotary_emb, precompute_freqs_cis, scale_rope_frequencies
+
+VOCAB = 2256  # the shipped tokenizer's odd size
+SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64)
+
+
+def build(args: ModelArgs, seed: int = 0) -> Transformer:
+    """Build on meta, materialise on CPU and init, as the trainer does."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    init_weights(model, buffer_device="cpu")
+    return model
+
+
+def test_logits_cover_padded_vocab() -> None:
+    model = build(SMALL)
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    assert padded_vocab_size(VOCAB, 64) == 2304
+    assert padded_vocab_size(2304, 64) == 2304
+    assert model(tokens).shape == (2, 16, 2304)
+    assert model.user_logits(tokens).shape == (2, 16, VOCAB)
+    assert model.tok_embeddings.weight.shape == model.output.weight.shape == (2304, 64)
+
+
+@pytest.mark.parametrize(
+    ("flavor", "hidden"), [("debugmodel", 768), ("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672),
+                           ("405B", 53248)]
+)
+def test_ffn_hidden_dim(flavor: str, hidden: int) -> None:
+    assert ffn_hidden_dim(LLAMA3_FLAVORS[flavor]) == hidden
+
+
+# Published counts with Llama 3's 128256 vocab (a multiple of 64, so no padding). 1B and 3B are
+# published tied; Titan keeps a separate output matrix, so compare without it.
+@pytest.mark.parametrize(
+    ("flavor", "published", "tied"),
+    [("1B", 1_235_814_400, True), ("3B", 3_212_749_824, True), ("8B", 8_030_261_248, False),
+     ("70B", 70_553_706_496, False), ("405B", 405_853_388_800, False)],
+)
+def test_flavor_parameter_counts(flavor: str, published: int, tied: bool) -> None:
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS[flavor])
+    total = num_params(model, exclude_embedding=False)
+    if tied:
+        total -= model.output.weight.numel()
+    assert total == published
+
+
+def test_debugmodel_parameter_count() -> None:
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB))
+    assert num_params(model, exclude_embedding=False) == 5_901_568
+    assert num_params(model, exclude_embedding=True) == 5_901_568 - 2304 * 256
+
+
+def rotate_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """RoPE from the paper: channels (2i, 2i+1) at position m rotate by m * theta^(-2i/head_dim)."""
+    bs, seq, heads, head_dim = x.shape
+    out = torch.empty_like(x, dtype=torch.float64)
+    x = x.double()
+    for m in range(seq):
+        for i in range(head_dim // 2):
+            angle = m * theta ** (-2 * i / head_dim)
+            a, b = x[:, m, :, 2 * i], x[:, m, :, 2 * i + 1]
+            out[:, m, :, 2 * i] = a * math.cos(angle) - b * math.sin(angle)
+            out[:, m, :, 2 * i + 1] = a * math.sin(angle) + b * math.cos(angle)
+    return out
+
+
+def test_rope_matches_rotation_reference() -> None:
+    args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, rope_theta=10000.0, max_seq_len=16)
+    x = torch.randn(2, 12, 3, 16)
+    got = apply_rotary_emb(x, precompute_freqs_cis(args))
+    torch.testing.assert_close(got.double(), rotate_reference(x, 10000.0), rtol=1e-5, atol=1e-5)
+
+
+def scale_reference(freq: float, s: RopeScaling) -> float:
+    """Llama 3.1 `apply_scaling`, one frequency at a time."""
+    wavelen = 2 * math.pi / freq
+    if wavelen < s.original_max_position_embeddings / s.high_freq_factor:
+        return freq
+    if wavelen > s.original_max_position_embeddings / s.low_freq_factor:
+        return freq / s.factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor
+                                                                                   - s.low_freq_factor)
+    return (1 - smooth) * freq / s.factor + smooth * freq
+
+
+def test_rope_scaling_matches_llama31_formula() -> None:
+    head_dim = 128
+    freqs = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    got = scale_rope_frequencies(freqs, LLAMA31_ROPE_SCALING)
+    want = torch.tensor([scale_reference(f, LLAMA31_ROPE_SCALING) for f in freqs.tolist()], dtype=torch.float64)
+    torch.testing.assert_close(got, want)
+    # All three regimes occur at head_dim 128, so each branch was checked.
+    assert (got == freqs).any() and (got == freqs / 8).any() and ((got != freqs) & (got != freqs / 8)).any()
+
+
+def test_scaled_table_uses_scaled_frequencies() -> None:
+    args = ModelArgs(dim=256, n_layers=1, n_heads=2, n_kv_heads=2, rope_scaling=LLAMA31_ROPE_SCALING,
+                     max_seq_len=4)
+    freqs = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+    torch.testing.assert_close(precompute_freqs_cis(args)[1].angle(),
+                               scale_rope_frequencies(freqs, LLAMA31_ROPE_SCALING))
+
+
+def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
+    torch.manual_seed(0)
+    gqa_args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    gqa, mha = Attention(gqa_args), Attention(dataclasses.replace(gqa_args, n_kv_heads=4))
+    head_dim = 16
+    with torch.no_grad():
+        mha.wq.weight.copy_(gqa.wq.weight)
+        mha.wo.weight.copy_(gqa.wo.weight)
+        for name in ("wk", "wv"):
+            kv = getattr(gqa, name).weight.view(2, head_dim, 64)  # (kv_heads, head_dim, dim)
+            getattr(mha, name).weight.copy_(kv.repeat_interleave(2, dim=0).reshape(4 * head_dim, 64))
+    x = torch.randn(2, 10, 64)
+    freqs_cis = precompute_freqs_cis(gqa_args)
+    torch.testing.assert_close(gqa(x, freqs_cis), mha(x, freqs_cis))
+
+
+def test_future_tokens_do_not_change_earlier_logits() -> None:
+    model = build(SMALL)
+    tokens = torch.randint(0, VOCAB, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (tokens[0, 8:] + 1) % VOCAB
+    torch.testing.assert_close(model(changed)[:, :8], model(tokens)[:, :8])
+    assert not torch.allclose(model(changed)[:, 8:], model(tokens)[:, 8:])
+
+
+def test_loss_ignores_padded_columns() -> None:
+    logits = torch.randn(2, 5, 2304)
+    labels = torch.randint(0, VOCAB, (2, 5))
+    loss = cross_entropy_loss(logits, labels, VOCAB)
+    torch.testing.assert_close(loss, F.cross_entropy(logits[..., :VOCAB].reshape(10, VOCAB), labels.reshape(10)))
+    logits[..., VOCAB:] = 1e9
+    torch.testing.assert_close(cross_entropy_loss(logits, labels, VOCAB), loss)
+
+
+def test_loss_is_fp32_for_bf16_logits() -> None:
+    logits = torch.randn(2, 5, 2304).bfloat16()
+    labels = torch.randint(0, VOCAB, (2, 5))
+    assert cross_entropy_loss(logits, labels, VOCAB).dtype == torch.float32
+
+
+def test_meta_build_and_init_is_deterministic() -> None:
+    first, second = build(SMALL, seed=7), build(SMALL, seed=7)
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(first.freqs_cis, precompute_freqs_cis(SMALL))
+    assert not torch.equal(build(SMALL, seed=8).output.weight, first.output.weight)
+
+
+def test_init_stds() -> None:
+    args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=VOCAB)
+    model = build(args)
+    block0, block3 = model.layers["0"], model.layers["3"]
+    assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.02)
+    assert block0.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block0.feed_forward.w1.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert block0.attention.wo.weight.std().item() == pytest.approx(0.02 / 2**0.5, rel=0.05)
+    assert block3.feed_forward.w2.weight.std().item() == pytest.approx(0.02 / 8**0.5, rel=0.05)
+    # Truncation at 3 std trims the std to about 0.986 of dim**-0.5.
+    out = model.output.weight
+    assert out.std().item() == pytest.approx(0.986 / 16, rel=0.03)
+    assert out.abs().max().item() <= 3 / 16
+    assert torch.equal(block3.ffn_norm.weight, torch.ones(256)) and torch.equal(model.norm.weight, torch.ones(256))
+
+
+def test_init_without_depth_scaling() -> None:
+    args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=VOCAB, depth_init=False)
+    model = build(args)
+    for block in model.layers.values():
+        assert block.attention.wo.weight.std().item() == pytest.approx(0.02 / 8**0.5, rel=0.05)
+
+
+def test_flops_per_token_small_case() -> None:
+    # 1000 matmul params, 2 layers of dim 8, seq 16: 6*1000 + 12*2*8*16 = 6000 + 3072.
+    args = ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=2)
+    assert flops_per_token(args, num_params=1000, seq_len=16) == 9072
+
+
+def test_num_params_excludes_only_embedding() -> None:
+    with torch.device("meta"):
+        model = Transformer(SMALL)
+    total = sum(p.numel() for p in model.parameters())
+    assert num_params(model, exclude_embedding=False) == total
+    assert num_params(model, exclude_embedding=True) == total - 2304 * 64
+
+
+def imported_modules(path: Path, package: str) -> list[str]:
+    """Absolute names of everything `path` imports; relative imports resolved against `package`."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
+    return names
+
+
+def test_models_import_nothing_from_parallel_or_other_stages() -> None:
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "titan" / "models").rglob("*.py"))
+    assert files
+    for path in files:
+        package = ".".join(path.relative_to(root).parent.parts)
+        for name in imported_modules(path, package):
+            assert not name.startswith("torch.distributed"), f"{path} imports {name}"
+            assert not name.startswith("titan") or name.startswith("titan.models"), f"{path} imports {name}"

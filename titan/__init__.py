@@ -1,0 +1,1 @@
+"""Titan: a config-driven Llama pretraining framework built on PyTorch's distributed stack."""

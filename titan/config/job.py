@@ -1,0 +1,148 @@
+"""JobConfig: one dataclass per TOML table. Field docstrings are the `--help` text.
+
+Precedence: these defaults < the TOML file given by --job.config_file < command-line flags.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# float16 would need loss scaling, which Titan does not do; bfloat16 has float32's range.
+DTypeName = Literal["float32", "bfloat16"]
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML job file to read before command-line flags are applied. None: defaults only."""
+    dump_folder: str = "./outputs"
+    """Folder for everything a run writes: config.toml, metrics.jsonl, TensorBoard logs, traces."""
+    description: str = "Titan training job"
+    """Free text naming the job; printed at startup and saved with the config."""
+    print_config: bool = False
+    """Print the resolved config (as TOML) at startup. It is always written to <dump_folder>/config.toml."""
+
+
+@dataclass
+class Model:
+    name: Literal["llama3"] = "llama3"
+    """Model family to build."""
+    flavor: Literal["debugmodel", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
+    """Model size: debugmodel (tiny, trains on CPU), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims)."""
+    tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
+    """Tokenizer file in tiktoken format (base64 token and rank per line), e.g. Llama 3's tokenizer.model."""
+    vocab_size_multiple_of: int = 64
+    """Pad the embedding and output rows up to a multiple of this, so float8 and TP can split them.
+    Padded ids are never targets and are dropped from logits returned to users."""
+    converters: list[str] = field(default_factory=list)
+    """Model converters applied after the model is built, e.g. `float8` or `mx`. Accepts a list
+    (`--model.converters float8 mx`) or comma-separated names (`float8,mx`)."""
+    print_after_conversion: bool = False
+    """Print the model after converters ran, to check which layers were swapped."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer. AdamW decouples weight decay from the gradient; Adam adds it to the gradient."""
+    lr: float = 8e-4
+    """Peak learning rate, reached at the end of warmup."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam denominator epsilon."""
+    weight_decay: float = 0.1
+    """Weight decay coefficient."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Optimizer kernel: foreach (multi-tensor, default), fused (single kernel; CUDA or CPU), for-loop."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to --optimizer.lr."""
+    decay_ratio: float | None = None
+    """Fraction of all steps spent decaying at the end of training (WSD schedule). None: decay over
+    every step after warmup; 0: no decay (constant after warmup)."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay from the peak down to the floor."""
+    min_lr_factor: float = 0.0
+    """Floor of the decay, as a fraction of --optimizer.lr (0.1 ends at lr/10)."""
+
+
+@dataclass
+class Training:
+    dataset: Literal["shipped", "text", "jsonl", "hf"] = "shipped"
+    """Data source: shipped (the small corpus in titan/data/corpus/), text or jsonl files given by
+    --training.dataset_path, or a Hugging Face dataset (needs the `hf` extra)."""
+    dataset_path: str | None = None
+    """A file, folder or glob for text/jsonl data (text: blank lines separate documents; jsonl: one object
+    per line with a "text" field); the dataset name or folder for hf. Unused for shipped."""
+    local_batch_size: int = 8
+    """Sequences per device per micro-step."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks. Larger than local_batch_size times
+    the data-parallel degree means gradient accumulation. -1: no accumulation."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value. 0 or less: no clipping (the norm is still reported)."""
+    steps: int = 10000
+    """Optimizer steps to train."""
+    mixed_precision_param: DTypeName = "bfloat16"
+    """Dtype that matmuls and activations run in. float32 turns mixed precision off."""
+    mixed_precision_reduce: DTypeName = "float32"
+    """Dtype of gradient reduction across data-parallel ranks."""
+    compile: bool = False
+    """torch.compile each transformer block and the loss."""
+    seed: int = 42
+    """Seed for weight init and data-independent randomness; the same seed gives the same losses."""
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log metrics every this many steps (and at the first and last step)."""
+    enable_tensorboard: bool = False
+    """Also write metrics as TensorBoard events under <dump_folder>/<save_tb_folder>."""
+    save_tb_folder: str = "tb"
+    """TensorBoard folder inside the dump folder."""
+    disable_color_printing: bool = False
+    """Print console metrics without ANSI colours (they are only used when stdout is a terminal)."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (Chrome trace JSON) every --profiling.profile_freq steps."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder inside the dump folder; one subfolder per profiled step."""
+    profile_freq: int = 10
+    """Profile one step out of this many (the profiler warms up on the steps before it)."""
+    enable_memory_snapshot: bool = False
+    """Dump a CUDA memory snapshot (pickle for pytorch.org/memory_viz) every profile_freq steps. CUDA only."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder inside the dump folder."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout for process-group setup and the first collectives."""
+    train_timeout_seconds: int = 100
+    """Timeout for each collective once training has started."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    metrics: Metrics = field(default_factory=Metrics)
+    profiling: Profiling = field(default_factory=Profiling)
+    comm: Comm = field(default_factory=Comm)

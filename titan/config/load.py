@@ -1,0 +1,164 @@
+"""Build a JobConfig from defaults, then the TOML job file, then command-line flags (tyro)."""
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import tyro
+
+from titan.config.errors import ConfigError
+from titan.config.job import JobConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
+
+
+def parse_args(argv: list[str]) -> JobConfig:
+    """Parse `argv` (without the program name) into a JobConfig. User mistakes raise ConfigError;
+    tyro itself reports unknown flags and badly typed flag values, with exit code 2."""
+    config_file = find_config_file(argv)
+    base = load_toml(Path(config_file)) if config_file else JobConfig()
+    cfg = tyro.cli(JobConfig, args=argv, default=base, use_underscores=True,
+                   description="Titan: train Llama models. Flags override the TOML file in --job.config_file.")
+    split_comma_lists(cfg)
+    return cfg
+
+
+def find_config_file(argv: list[str]) -> str | None:
+    """The value of --job.config_file, read before tyro so the TOML can become tyro's defaults."""
+    found = None
+    for i, arg in enumerate(argv):
+        name, sep, value = arg.partition("=")
+        if name in CONFIG_FILE_FLAGS:
+            if sep:
+                found = value
+            elif i + 1 < len(argv):
+                found = argv[i + 1]
+    return found
+
+
+def load_toml(path: Path) -> JobConfig:
+    """Read a TOML job file into a JobConfig, reporting every unknown name and wrong type at once."""
+    if not path.is_file():
+        raise ConfigError(f"--job.config_file {str(path)!r} does not exist. Pass an existing TOML file, "
+                          f"e.g. configs/debug_model.toml.")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}. Fix the file at that line.") from None
+    problems: list[str] = []
+    sections = {}
+    section_types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    for section_name, table in data.items():
+        if section_name not in section_types:
+            problems.append(f"{path}: unknown section [{section_name}]{suggest(section_name, section_types)}")
+            continue
+        if not isinstance(table, dict):
+            problems.append(f"{path}: {section_name} must be a table ([{section_name}]), got a value.")
+            continue
+        sections[section_name] = build_section(section_types[section_name], section_name, table, path, problems)
+    if problems:
+        raise ConfigError(problems)
+    cfg = JobConfig(**sections)
+    cfg.job.config_file = str(path)
+    return cfg
+
+
+def build_section(cls: type, section_name: str, table: dict[str, Any], path: Path, problems: list[str]) -> Any:
+    """One section dataclass from its TOML table; bad keys and values are appended to `problems`."""
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in table.items():
+        if key not in hints:
+            problems.append(f"{path}: unknown key {key!r} in [{section_name}]{suggest(key, hints)}")
+            continue
+        converted, expected = convert_value(value, hints[key])
+        if expected is not None:
+            problems.append(f"{path}: [{section_name}] {key} = {value!r} must be {expected}.")
+            continue
+        values[key] = converted
+    return cls(**values)
+
+
+def convert_value(value: Any, hint: Any) -> tuple[Any, str | None]:
+    """Check a TOML value against a field's type. Returns (value, None) or (None, what was expected)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        # `X | None`: TOML has no null, so a present value must be an X.
+        inner = next(a for a in typing.get_args(hint) if a is not type(None))
+        return convert_value(value, inner)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        return (value, None) if value in choices else (None, f"one of {', '.join(map(repr, choices))}")
+    if origin is list:
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, list) and all(isinstance(v, str) for v in items):
+            return items, None
+        return None, "a list of strings"
+    if hint is bool:
+        return (value, None) if isinstance(value, bool) else (None, "true or false")
+    if hint is int:
+        return (value, None) if isinstance(value, int) and not isinstance(value, bool) else (None, "an integer")
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return (float(value), None) if ok else (None, "a number")
+    if hint is str:
+        return (value, None) if isinstance(value, str) else (None, "a string")
+    raise TypeError(f"JobConfig field type {hint} has no TOML conversion")
+
+
+def suggest(name: str, valid: typing.Iterable[str]) -> str:
+    """' Did you mean X?' for the closest valid name, or a list of valid names."""
+    valid = list(valid)
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+    if close:
+        return f". Did you mean {close[0]!r}?"
+    return f". Valid names: {', '.join(valid)}."
+
+
+def split_comma_lists(cfg: JobConfig) -> None:
+    """Accept `--model.converters float8,mx` as well as `float8 mx`, as torchtitan does.
+    Part of parsing: runs before validation, never after."""
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                setattr(section, f.name, [part.strip() for v in value for part in v.split(",") if part.strip()])
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML that load_toml reads back to the same JobConfig.
+    None fields are left out: TOML has no null and every optional field defaults to None."""
+    lines: list[str] = []
+    for section_field in dataclasses.fields(cfg):
+        lines.append(f"[{section_field.name}]")
+        section = getattr(cfg, section_field.name)
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if value is not None:
+                lines.append(f"{f.name} = {toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    """TOML spelling of a str, bool, int, float or list of those."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"no TOML spelling for {type(value).__name__}")

@@ -1,0 +1,49 @@
+"""The one logger, `titan`, and the rule for which ranks print.
+
+Info comes from the ranks listed in LOG_RANK (default "0", comma-separated, set by run_train.sh);
+every rank prints warnings and errors, prefixed with its rank so a single-rank problem is findable.
+"""
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger("titan")
+
+
+def current_rank() -> int:
+    """This process's global rank as torchrun exported it; 0 outside torchrun."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def logging_ranks() -> set[int]:
+    """Ranks whose info lines are printed, from LOG_RANK ("0", "0,1", ...)."""
+    value = os.environ.get("LOG_RANK", "0")
+    return {int(r) for r in value.split(",") if r.strip()}
+
+
+class _RankFilter(logging.Filter):
+    """Drops info from non-logging ranks and prefixes multi-process lines with the rank."""
+
+    def __init__(self, rank: int, world_size: int, info_ranks: set[int]) -> None:
+        super().__init__()
+        self.rank = rank
+        self.world_size = world_size
+        self.info_ranks = info_ranks
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.rank_prefix = f"[rank{self.rank}] " if self.world_size > 1 else ""
+        return record.levelno >= logging.WARNING or self.rank in self.info_ranks
+
+
+def init_logger() -> None:
+    """Send `titan` records to stdout once per process, filtered by rank. Safe to call twice."""
+    if logger.handlers:
+        return
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    handler = logging.StreamHandler(sys.stdout)
+    handler.addFilter(_RankFilter(current_rank(), world_size, logging_ranks()))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(rank_prefix)s%(levelname)s %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False

@@ -1,0 +1,113 @@
+"""Where a step's metric record goes: console, TensorBoard, JSONL. Sinks render; they compute nothing."""
+
+import json
+import sys
+from pathlib import Path
+from typing import Protocol
+
+from titan.config.job import Metrics
+from titan.metrics.log import logger
+
+Record = dict[str, float | int | None]
+
+# Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU).
+RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
+               "data_wait_pct", "eta_s")
+
+
+class Sink(Protocol):
+    def write(self, record: Record) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ConsoleSink:
+    """One line per logged step through the `titan` logger, coloured unless disabled."""
+
+    COLORS = {"step": "\033[36m", "loss": "\033[32m", "grad_norm": "\033[35m", "tps": "\033[34m",
+              "mfu_pct": "\033[33m", "mem_gib": "\033[33m"}
+    RESET = "\033[39m"
+
+    def __init__(self, color: bool) -> None:
+        self.color = color
+
+    def write(self, record: Record) -> None:
+        parts = [
+            ("step", f"step {record['step']:>5}"),
+            ("loss", f"loss {record['loss']:8.4f}"),
+            ("grad_norm", f"grad_norm {record['grad_norm']:7.4f}"),
+            ("lr", f"lr {record['lr']:.2e}"),
+            ("tps", f"tps {record['tps']:,.0f}"),
+            ("tflops", f"tflops {record['tflops']:.2f}"),
+        ]
+        if record["mfu_pct"] is not None:
+            parts.append(("mfu_pct", f"mfu {record['mfu_pct']:.2f}%"))
+        parts.append(("mem_gib", f"mem {record['mem_gib']:.2f}GiB"))
+        if record["mem_reserved_gib"] is not None:
+            parts.append(("mem_gib", f"reserved {record['mem_reserved_gib']:.2f}GiB"))
+        parts.append(("data_wait_pct", f"data {record['data_wait_pct']:.1f}%"))
+        parts.append(("eta_s", f"eta {format_duration(record['eta_s'])}"))
+        logger.info("  ".join(self.paint(key, text) for key, text in parts))
+
+    def paint(self, key: str, text: str) -> str:
+        color = self.COLORS.get(key)
+        return f"{color}{text}{self.RESET}" if self.color and color else text
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON object per logged step to a file; unmeasurable (None) values are left out."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def write(self, record: Record) -> None:
+        self.file.write(json.dumps({k: v for k, v in record.items() if v is not None}) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class TensorBoardSink:
+    """Scalars under `train/<key>` at the record's step."""
+
+    def __init__(self, folder: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
+
+        self.writer = SummaryWriter(log_dir=str(folder))
+
+    def write(self, record: Record) -> None:
+        for key, value in record.items():
+            if key != "step" and value is not None:
+                self.writer.add_scalar(f"train/{key}", value, record["step"])
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def format_duration(seconds: float | None) -> str:
+    """'1h02m', '3m05s' or '12s'."""
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def build_sinks(metrics: Metrics, dump_folder: Path, rank: int) -> list[Sink]:
+    """Console on every rank (the logger decides who prints); files from rank 0 only, so one run writes one copy.
+    Colour only on a terminal, so redirected logs stay free of escape codes."""
+    sinks: list[Sink] = [ConsoleSink(color=sys.stdout.isatty() and not metrics.disable_color_printing)]
+    if rank == 0:
+        sinks.append(JsonlSink(dump_folder / "metrics.jsonl"))
+        if metrics.enable_tensorboard:
+            sinks.append(TensorBoardSink(dump_folder / metrics.save_tb_folder))
+    return sinks

@@ -1,0 +1,112 @@
+"""Peak FLOP/s per known accelerator, the TFLOPs/MFU formula, and memory readings."""
+
+import resource
+import sys
+import time
+
+import torch
+
+# Dense bf16 tensor-core peak per device, from the vendors' datasheets (no sparsity).
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    # Order matters: the first name contained in the device name wins ("H100 PCIe" before "H100").
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("B100", 1750e12),
+    ("GB200", 2500e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("MI300X", 1307e12),
+    ("MI325X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak bf16 FLOP/s of `device`, or None where it is not in the table (CPUs, unknown GPUs): MFU is then omitted."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in PEAK_BF16_FLOPS:
+        if key in name:
+            return flops
+    return None
+
+
+def achieved_tflops(flops_per_token: int, tokens_per_second: float) -> float:
+    """Model TFLOP/s per device from the training FLOPs per token and the per-device token rate."""
+    return flops_per_token * tokens_per_second / 1e12
+
+
+def mfu_percent(flops_per_token: int, tokens_per_second: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation in percent of the device's peak, or None when the peak is unknown."""
+    if peak is None:
+        return None
+    return 100.0 * flops_per_token * tokens_per_second / peak
+
+
+def memory_gib(device: torch.device) -> float:
+    """Peak memory since the last reset: CUDA max allocated for a GPU, the process's max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # ru_maxrss is in kilobytes on Linux and in bytes on macOS.
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def reserved_gib(device: torch.device) -> float | None:
+    """Peak CUDA memory reserved by the caching allocator (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 2**30
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak window, so each logged value is the peak since the previous log."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class ThroughputMeter:
+    """Counts tokens, wall time and data-loading wait between two log steps on this device."""
+
+    def __init__(self, flops_per_token: int, device: torch.device, total_steps: int) -> None:
+        self.flops_per_token = flops_per_token
+        self.device = device
+        self.peak = peak_flops(device)
+        self.total_steps = total_steps
+        self.window_start = time.perf_counter()
+        self.tokens = 0
+        self.data_wait_seconds = 0.0
+
+    def add_step(self, tokens: int, data_wait_seconds: float) -> None:
+        """Record one optimizer step's tokens (on this device) and the time spent waiting for its data."""
+        self.tokens += tokens
+        self.data_wait_seconds += data_wait_seconds
+
+    def window(self, step: int, steps_in_window: int) -> dict[str, float | None]:
+        """Rates since the previous call (tps, tflops, mfu_pct, mem_gib, data_wait_pct, eta_s); then reset."""
+        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
+        tps = self.tokens / elapsed
+        seconds_per_step = elapsed / max(steps_in_window, 1)
+        rates = {
+            "tps": tps,
+            "tflops": achieved_tflops(self.flops_per_token, tps),
+            "mfu_pct": mfu_percent(self.flops_per_token, tps, self.peak),
+            "mem_gib": memory_gib(self.device),
+            "mem_reserved_gib": reserved_gib(self.device),
+            "data_wait_pct": 100.0 * self.data_wait_seconds / elapsed,
+            "eta_s": seconds_per_step * (self.total_steps - step),
+        }
+        reset_peak_memory(self.device)
+        self.window_start = time.perf_counter()
+        self.tokens = 0
+        self.data_wait_seconds = 0.0
+        return rates

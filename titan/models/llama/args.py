@@ -1,0 +1,87 @@
+"""Llama 3 shapes: ModelArgs, the flavor table, and the size rules that config validation needs
+without building a model."""
+
+from dataclasses import dataclass
+
+# Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
+# placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
+LLAMA3_VOCAB_SIZE = 128256
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 RoPE frequency scaling (llama-models `apply_scaling`; HF rope_type "llama3").
+
+    Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep their frequency,
+    those longer than original_max_position_embeddings / low_freq_factor are slowed down by `factor`,
+    and the band between is interpolated smoothly.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)
+# Llama 3.2 1B/3B ship with factor 32 (their config.json), not 3.1's 8.
+LLAMA32_ROPE_SCALING = RopeScaling(factor=32.0)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Shape of a Llama 3 transformer. Frozen, so the shared flavor table can't be edited by accident:
+    derive a variant with `dataclasses.replace(LLAMA3_FLAVORS[name], vocab_size=..., ...)`."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int = LLAMA3_VOCAB_SIZE
+    """Real tokenizer size. The embedding and output have padded_vocab_size(...) rows."""
+    vocab_size_multiple_of: int = 64
+    """Pad the embedding and output rows up to a multiple of this, so later stages can split them evenly."""
+    multiple_of: int = 256
+    """Round the SwiGLU hidden size up to a multiple of this."""
+    ffn_dim_multiplier: float | None = None
+    """Scale applied to the SwiGLU hidden size 8*dim/3 before rounding. None: 1."""
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1-style long-context frequency scaling. None: plain RoPE."""
+    max_seq_len: int = 2048
+    """Longest sequence the rotary table covers."""
+    depth_init: bool = True
+    """Output projections of layer i get std 0.02/sqrt(2*(i+1)); False: 0.02/sqrt(2*n_layers) for all."""
+
+
+def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:
+    """Round vocab_size up to a multiple of multiple_of: 2256 with 64 gives 2304."""
+    return -(-vocab_size // multiple_of) * multiple_of
+
+
+def ffn_hidden_dim(args: ModelArgs) -> int:
+    """SwiGLU hidden size, Meta's rule: 2/3 of 4*dim (so three matrices cost what two 4*dim ones would),
+    times ffn_dim_multiplier, rounded up to multiple_of. 8B: 14336."""
+    hidden = int(2 * (4 * args.dim) / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * (-(-hidden // args.multiple_of))
+
+
+# vocab_size is a placeholder in every flavor: the trainer sets the tokenizer's size.
+# 1B and 3B have Llama 3.2's dims; Meta ties their output to the embedding, but Titan trains them
+# untied (a separate `output` matrix), which adds vocab*dim parameters: 1.50B and 3.61B with Llama 3's vocab.
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, max_seq_len=2048),
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                    rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+                    rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072),
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                    rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=131072),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                     rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=131072),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+                      multiple_of=4096, rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=131072),
+}

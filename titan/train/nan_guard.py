@@ -1,0 +1,49 @@
+"""Stop at the first non-finite loss or gradient norm, before the optimizer step can spread it."""
+
+import math
+
+from torch import nn
+
+
+class NonFiniteLossError(RuntimeError):
+    """The run stopped because the loss or gradient norm stopped being finite. train.py exits with `exit_code`."""
+
+    exit_code = 3
+
+
+def first_nonfinite_grad(model: nn.Module) -> str | None:
+    """FQN of the first parameter whose gradient holds a nan or inf (None if all are finite)."""
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is not None and not grad.isfinite().all():
+            return name
+    return None
+
+
+def stop_hints(converters: list[str], compile_enabled: bool, max_norm: float) -> list[str]:
+    """What to try, most likely fix first, given the features this run uses."""
+    hints = ["lower --optimizer.lr or raise --lr_scheduler.warmup_steps"]
+    if max_norm <= 0:
+        hints.append("clip gradients with --training.max_norm 1.0")
+    hints.append("check the data around this step for broken documents")
+    if converters:
+        hints.append(f"run once without --model.converters {','.join(converters)} to see whether low precision causes it")
+        if compile_enabled:
+            hints.append("with float8 and --training.compile, RMSNorm's precision casts can differ from eager: "
+                         "try TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1")
+    return hints
+
+
+def check_finite(step: int, loss: float, grad_norm: float, last_finite_loss: float | None,
+                 model: nn.Module, hints: list[str]) -> None:
+    """Raise NonFiniteLossError naming the step, the value, the last finite loss and what to try."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return
+    what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.4f})"
+    previous = f"{last_finite_loss:.4f}" if last_finite_loss is not None else "none (this is the first step)"
+    bad_grad = first_nonfinite_grad(model)
+    where = f" The first non-finite gradient is in {bad_grad}." if bad_grad else ""
+    raise NonFiniteLossError(
+        f"Stopping: {what} at step {step}; the last finite loss was {previous}.{where} "
+        f"No optimizer step or checkpoint was taken with this state. Try: {'; '.join(hints)}."
+    )

@@ -1,0 +1,25 @@
+"""Titan's entry point: parse and validate the config, then train. Launched by run_train.sh through torchrun."""
+
+import os
+import sys
+
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.metrics.log import init_logger, logger
+from titan.train.nan_guard import NonFiniteLossError
+from titan.train.trainer import Trainer
+
+
+def main(argv: list[str]) -> int:
+    init_logger()
+    try:
+        Trainer(load_job_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))).run()
+    except (ConfigError, NonFiniteLossError) as e:
+        # User mistakes and diverged runs explain themselves; a traceback would bury the message.
+        logger.error(str(e))
+        return e.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
