@@ -34,7 +34,6 @@ from titan.data.tokenizer import (
     build_tokenizer,
     special_tokens_for,
 )
-from titan.metrics.log import logger
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -288,10 +287,8 @@ def test_rank_packs_only_its_documents(tmp_path: Path, tokenizer: Tokenizer) -> 
     assert got == stream[: len(got)]
 
 
-def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(logger, "propagate", True)  # metrics.log.init_logger may have turned it off
-    caplog.set_level(logging.INFO, logger="titan")
+def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer,
+                                           titan_records: list[logging.LogRecord]) -> None:
     texts = ["alpha beta gamma", "delta", "epsilon zeta eta theta"]
     source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
     dataset = PackedTokenDataset(source, tokenizer, seq_len=4, dp_rank=0, dp_world_size=1)
@@ -299,7 +296,7 @@ def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer,
     count = 4 * len(epoch) // 5 + 1  # a little over four epochs
     got = [t for inputs, labels in windows(dataset, count) for t in [*inputs.tolist(), labels[-1].item()]]
     assert got == (epoch * 5)[: len(got)]
-    starts = [r.getMessage() for r in caplog.records if "starts" in r.getMessage()]
+    starts = [r.getMessage() for r in titan_records if "starts" in r.getMessage()]
     assert [m.split()[2] for m in starts] == ["0", "1", "2", "3", "4"]
 
 
