@@ -6,6 +6,7 @@ import sys
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.metrics.log import init_logger, logger
+from titan.parallel.dims import destroy_distributed
 from titan.train.nan_guard import NonFiniteLossError
 from titan.train.trainer import Trainer
 
@@ -13,11 +14,14 @@ from titan.train.trainer import Trainer
 def main(argv: list[str]) -> int:
     init_logger()
     try:
-        Trainer(load_job_config(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))).run()
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        Trainer(load_job_config(argv, world_size), world_size).run()
     except (ConfigError, NonFiniteLossError) as e:
         # User mistakes and diverged runs explain themselves; a traceback would bury the message.
         logger.error(str(e))
         return e.exit_code
+    finally:
+        destroy_distributed()
     return 0
 
 

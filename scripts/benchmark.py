@@ -1,16 +1,26 @@
-"""Titan's train step against a bare PyTorch loop on the same model and batches, in one process.
+"""Benchmarks of Titan's train step.
+
+Titan against a bare PyTorch loop on the same model and batches, in one process:
 
     python scripts/benchmark.py                                   # debug model on CPU
     python scripts/benchmark.py --steps 20 -- --model.flavor 1B --training.seq_len 2048 \
         --training.mixed_precision_param bfloat16 --training.compile
 
-Everything after `--` is a Titan flag (on top of configs/debug_model.toml). Both loops run the same
-model, batches, optimizer and clipping; Titan adds its data loader, NaN guard and metrics. Prints tokens/s
-of each and their ratio (the target is Titan within 3% of bare).
+Both loops run the same model, batches, optimizer and clipping; Titan adds its data loader, NaN guard and
+metrics. Prints tokens/s of each and their ratio (the target is Titan within 3% of bare).
+
+Parameter + optimizer-state bytes and tokens/s per rank with FSDP over 1, 2 and 4 processes (gloo on CPU,
+one GPU each on CUDA machines):
+
+    python scripts/benchmark.py --fsdp-memory 1 2 4
+
+Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
 import argparse
 import contextlib
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +36,7 @@ from titan.metrics.log import init_logger  # noqa: E402
 from titan.models.llama.init import init_weights  # noqa: E402
 from titan.models.llama.loss import cross_entropy_loss  # noqa: E402
 from titan.models.llama.model import Transformer  # noqa: E402
+from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 
@@ -87,17 +98,64 @@ def time_bare(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]
     return time.perf_counter() - start
 
 
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank holds of `tensor` (its shard, for a DTensor)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def measure_rank_memory(args: argparse.Namespace, argv: list[str]) -> None:
+    """Worker under torchrun: FSDP over every rank, then bytes held and tokens/s on this rank."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    trainer = Trainer(load_job_config([*argv, "--parallelism.data_parallel_shard_degree", str(world_size)],
+                                      world_size), world_size)
+    seconds = time_titan(trainer, args.warmup, args.steps) if args.steps else 0.0
+    param_bytes = sum(local_bytes(p) for p in trainer.model.parameters())
+    state_bytes = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
+                      if torch.is_tensor(v) and v.dim() > 0)
+    t = trainer.cfg.training
+    tps = t.local_batch_size * t.seq_len * args.steps / seconds if seconds else 0.0
+    if trainer.rank == 0:
+        print(f"RESULT {world_size} {param_bytes} {state_bytes} {tps:.1f}", flush=True)
+    destroy_distributed()
+
+
+def fsdp_memory_table(args: argparse.Namespace) -> None:
+    """Run measure_rank_memory under torchrun for each process count and print one table."""
+    print(f"{'ranks':>5} {'param MiB/rank':>15} {'optim MiB/rank':>15} {'total MiB/rank':>15} {'tokens/s/rank':>14}")
+    for nprocs in args.fsdp_memory:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+                   __file__, "--rank-memory", "--steps", str(args.steps), "--warmup", str(args.warmup), "--",
+                   *args.titan_flags]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LOG_RANK": "0"})
+        lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+        if result.returncode != 0 or not lines:
+            raise SystemExit(f"FSDP={nprocs} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        _, ranks, params, states, tps = lines[0].split()
+        params_mib, states_mib = int(params) / 2**20, int(states) / 2**20
+        print(f"{ranks:>5} {params_mib:15.2f} {states_mib:15.2f} {params_mib + states_mib:15.2f} {float(tps):14,.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per loop")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator)")
     parser.add_argument("--repeats", type=int, default=2, help="alternate titan/bare this many times, keep the best")
+    parser.add_argument("--fsdp-memory", type=int, nargs="+", metavar="N",
+                        help="bytes and tokens/s per rank with FSDP over each N processes")
+    parser.add_argument("--rank-memory", action="store_true", help=argparse.SUPPRESS)  # the --fsdp-memory worker
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     init_logger()
     argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
             "/tmp/titan_benchmark", *args.titan_flags]
-    trainer = Trainer(load_job_config(argv, world_size=1))
+    if args.fsdp_memory:
+        fsdp_memory_table(args)
+        return
+    if args.rank_memory:
+        measure_rank_memory(args, argv)
+        return
+    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     t = trainer.cfg.training
     if t.global_batch_size not in (-1, t.local_batch_size):
         raise SystemExit("benchmark.py compares single micro-batch steps: leave --training.global_batch_size at -1")

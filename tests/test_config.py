@@ -157,8 +157,35 @@ def test_all_problems_reported_together() -> None:
 
 
 def test_world_size_is_validated() -> None:
-    with pytest.raises(ConfigError, match="NGPU=2"):
-        load_job_config(["--job.config_file", DEBUG_TOML], world_size=2)
+    with pytest.raises(ConfigError, match="must multiply to the world size 4"):
+        load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3"], world_size=4)
+    cfg = load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.tensor_parallel_degree", "2"], world_size=4)
+    assert cfg.parallelism.data_parallel_shard_degree == -1  # resolved later, never written back
+
+
+@pytest.mark.parametrize("args, world_size, fields", [
+    (["--parallelism.pipeline_parallel_degree", "2"], 2, ["--parallelism.pipeline_parallel_degree 2"]),
+    (["--parallelism.context_parallel_degree", "2"], 2, ["--parallelism.context_parallel_degree 2"]),
+    (["--parallelism.tensor_parallel_degree", "3"], 3,
+     ["attention heads", "kv heads", "--model.vocab_size_multiple_of 64", "--training.seq_len 256"]),
+    (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], 2,
+     ["--parallelism.enable_async_tensor_parallel"]),
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "every"], 1,
+     ["--activation_checkpoint.selective_ac_option 'every'"]),
+    (["--parallelism.data_parallel_replicate_degree", "0"], 1, ["parallel degrees must be at least 1"]),
+    (["--training.global_batch_size", "8"], 2, ["--training.global_batch_size 8 must be a multiple of "
+                                                "--training.local_batch_size 8 x data-parallel degree 2 = 16"]),
+])
+def test_parallel_rules(args: list[str], world_size: int, fields: list[str]) -> None:
+    problems = problems_for(*args, world_size=world_size)
+    assert len(problems) == len(fields), problems
+    for problem, field in zip(problems, fields):
+        assert field in problem, (field, problem)
+
+
+def test_tp_divisibility_suggests_valid_degree() -> None:
+    problems = problems_for("--parallelism.tensor_parallel_degree", "3", world_size=3)
+    assert "Try 2" in problems[0] and "Try 192" in problems[2] and "Try 255" in problems[3]
 
 
 def test_written_config_reads_back_identically(tmp_path: Path) -> None:

@@ -64,3 +64,40 @@ def test_help_lists_fields() -> None:
     result = run_train("--help")
     assert result.returncode == 0
     assert "--training.local_batch_size" in result.stdout and "Peak learning rate" in result.stdout
+
+
+def losses_of(folder: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+SHORT = ["--training.steps", "5", "--training.seq_len", "64", "--metrics.log_freq", "1"]
+
+
+def test_ngpu2_tensor_parallel_matches_ngpu1(tmp_path: Path) -> None:
+    one = run_train(*SHORT, "--job.dump_folder", str(tmp_path / "one"))
+    assert one.returncode == 0, one.stdout + one.stderr
+    two = run_train(*SHORT, "--job.dump_folder", str(tmp_path / "tp2"), "--parallelism.tensor_parallel_degree", "2",
+                    env={"NGPU": "2"})
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert "Applied tensor parallel (degree 2" in two.stdout
+    got, ref = losses_of(tmp_path / "tp2"), losses_of(tmp_path / "one")
+    assert len(got) == len(ref) == 5
+    for g, r in zip(got, ref):
+        assert abs(g - r) <= 1e-5 * abs(r), (got, ref)
+
+
+def test_ngpu2_fsdp_trains(tmp_path: Path) -> None:
+    result = run_train(*SHORT, "--job.dump_folder", str(tmp_path), "--parallelism.data_parallel_shard_degree", "2",
+                       env={"NGPU": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Applied FSDP2 over (2,) ranks" in result.stdout
+    losses = losses_of(tmp_path)
+    assert len(losses) == 5 and losses[-1] < losses[0]
+
+
+def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
+    result = run_train("--parallelism.tensor_parallel_degree", "4", "--job.dump_folder", str(tmp_path),
+                       env={"NGPU": "2"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "must multiply to the world size 2" in output and "Traceback" not in output

@@ -19,7 +19,7 @@ SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metr
 
 def build_trainer(tmp_path: Path, *args: str) -> Trainer:
     argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), *SMALL, *args]
-    return Trainer(load_job_config(argv, world_size=1))
+    return Trainer(load_job_config(argv, world_size=1), world_size=1)
 
 
 def read_metrics(folder: Path) -> list[dict]:

@@ -137,6 +137,41 @@ class Comm:
 
 
 @dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the model across groups of ranks (HSDP's outer dimension: gradients all-reduced between
+    replicas). 1: no replication."""
+    data_parallel_shard_degree: int = -1
+    """Ranks that shard parameters, gradients and optimizer state with FSDP2. -1: every rank left over
+    after replicate and tensor-parallel degrees."""
+    tensor_parallel_degree: int = 1
+    """Ranks that split each layer's matmuls (Megatron-style, with sequence parallel on the norms). Keep it
+    within one node: it communicates every layer."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, more
+    memory), default (every block but the last, whose backward comes right after forward)."""
+    disable_loss_parallel: bool = False
+    """With tensor parallel, gather the vocab-sharded logits before the loss instead of computing the loss
+    on the shards (more memory and traffic; for debugging)."""
+    enable_async_tensor_parallel: bool = False
+    """Overlap tensor-parallel communication with matmuls (micro-pipelining). Needs CUDA and --training.compile."""
+    pipeline_parallel_degree: int = 1
+    """Reserved: pipeline parallelism is not supported yet; must be 1."""
+    context_parallel_degree: int = 1
+    """Reserved: context parallelism is not supported yet; must be 1."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward to save memory: none, full (every transformer block), or selective
+    (see selective_ac_option)."""
+    selective_ac_option: str = "op"
+    """With mode selective: "op" saves matmul and attention outputs and recomputes the cheap ops in between;
+    an integer k checkpoints every k-th block fully ("2": half the blocks)."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -146,3 +181,5 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)

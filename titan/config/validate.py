@@ -12,7 +12,7 @@ import torch
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.paths import resolve_path
-from titan.models.llama.args import LLAMA3_FLAVORS
+from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 
 # Model converters this build provides; each converter issue registers its name here.
 AVAILABLE_CONVERTERS: tuple[str, ...] = ()
@@ -44,11 +44,12 @@ def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
 
 def check_global_batch(cfg: JobConfig, world_size: int) -> str | None:
     t = cfg.training
-    per_step = t.local_batch_size * data_parallel_degree(world_size)
+    dp_degree = data_parallel_degree(cfg, world_size)
+    per_step = t.local_batch_size * dp_degree
     if t.global_batch_size == -1 or (t.global_batch_size >= per_step and t.global_batch_size % per_step == 0):
         return None
     return (f"--training.global_batch_size {t.global_batch_size} must be a multiple of --training.local_batch_size "
-            f"{t.local_batch_size} x data-parallel degree {data_parallel_degree(world_size)} = {per_step} "
+            f"{t.local_batch_size} x data-parallel degree {dp_degree} = {per_step} "
             f"(it sets the gradient accumulation steps). Try {max(per_step, t.global_batch_size // per_step * per_step)} "
             f"or -1.")
 
@@ -100,21 +101,82 @@ def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
-def check_world_size(cfg: JobConfig, world_size: int) -> str | None:
-    if world_size == 1:
+def check_reserved_parallelisms(cfg: JobConfig, world_size: int) -> list[str]:
+    par = cfg.parallelism
+    return [f"--parallelism.{name} {value}: {label} parallelism is not supported yet. Set it to 1 and use data "
+            f"and tensor parallelism." for name, value, label in
+            (("pipeline_parallel_degree", par.pipeline_parallel_degree, "pipeline"),
+             ("context_parallel_degree", par.context_parallel_degree, "context")) if value != 1]
+
+
+def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
+    par = cfg.parallelism
+    replicate, shard, tp = (par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
+                            par.tensor_parallel_degree)
+    if replicate < 1 or tp < 1 or (shard < 1 and shard != -1):
+        return (f"parallel degrees must be at least 1 (data_parallel_shard_degree may be -1): got "
+                f"--parallelism.data_parallel_replicate_degree {replicate}, --parallelism.data_parallel_shard_degree "
+                f"{shard}, --parallelism.tensor_parallel_degree {tp}.")
+    fixed = replicate * tp * (1 if shard == -1 else shard)
+    if (shard == -1 and world_size % fixed == 0) or fixed == world_size:
         return None
-    return (f"this run has {world_size} processes (NGPU={world_size}), but this version of Titan trains on one "
-            f"process only. Launch with NGPU=1.")
+    return (f"--parallelism.data_parallel_replicate_degree {replicate} x --parallelism.data_parallel_shard_degree "
+            f"{shard} x --parallelism.tensor_parallel_degree {tp} must multiply to the world size {world_size} "
+            f"(NGPU x nodes). Change the degrees, or leave data_parallel_shard_degree at -1 to use the rest.")
 
 
-def data_parallel_degree(world_size: int) -> int:
-    """Ranks that read distinct data."""
-    return world_size
+def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp <= 1:
+        return []
+    args = LLAMA3_FLAVORS[cfg.model.flavor]
+    sizes = (("attention heads", args.n_heads), ("kv heads", args.n_kv_heads), ("FFN hidden size", ffn_hidden_dim(args)))
+    problems = [f"--parallelism.tensor_parallel_degree {tp} must divide the {what} of --model.flavor "
+                f"{cfg.model.flavor} ({size}). Try {largest_divisor_at_most(size, tp)}."
+                for what, size in sizes if size % tp]
+    if cfg.model.vocab_size_multiple_of % tp:
+        problems.append(f"--model.vocab_size_multiple_of {cfg.model.vocab_size_multiple_of} must be a multiple of "
+                        f"--parallelism.tensor_parallel_degree {tp}, so the padded vocab splits evenly. Try "
+                        f"{cfg.model.vocab_size_multiple_of * tp}.")
+    if cfg.training.seq_len % tp:
+        problems.append(f"--training.seq_len {cfg.training.seq_len} must be divisible by "
+                        f"--parallelism.tensor_parallel_degree {tp} (sequence parallel splits it). Try "
+                        f"{cfg.training.seq_len // tp * tp}.")
+    return problems
+
+
+def check_async_tp(cfg: JobConfig, world_size: int) -> str | None:
+    par = cfg.parallelism
+    if not par.enable_async_tensor_parallel:
+        return None
+    if par.tensor_parallel_degree <= 1 or not cfg.training.compile or not torch.cuda.is_available():
+        return ("--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree above 1, "
+                "--training.compile and CUDA GPUs (it is an inductor pass over NCCL symmetric memory). Drop the "
+                "flag, or add the missing ones.")
+    return None
+
+
+def check_selective_ac_option(cfg: JobConfig, world_size: int) -> str | None:
+    option = cfg.activation_checkpoint.selective_ac_option
+    if option == "op" or (option.isdigit() and int(option) >= 1):
+        return None
+    return (f"--activation_checkpoint.selective_ac_option {option!r} must be \"op\" or a whole number k >= 1 "
+            f"(checkpoint every k-th block).")
+
+
+def largest_divisor_at_most(size: int, limit: int) -> int:
+    return max(d for d in range(1, limit + 1) if size % d == 0)
+
+
+def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
+    """Ranks that read distinct data: the world size over the tensor-parallel degree."""
+    return max(world_size // max(cfg.parallelism.tensor_parallel_degree, 1), 1)
 
 
 RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
     check_seq_len, check_global_batch, check_converters, check_tokenizer_path, check_dataset_path,
-    check_lr_schedule, check_memory_snapshot, check_world_size,
+    check_lr_schedule, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
+    check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option,
 )
 
 

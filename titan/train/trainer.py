@@ -3,9 +3,13 @@
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig, Model
@@ -16,13 +20,22 @@ from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, padded_vocab_size
 from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
 from titan.models.llama.loss import cross_entropy_loss
 from titan.models.llama.model import Transformer
-from titan.parallel.compile import apply_compile
-from titan.parallel.dist import build_device
+from titan.parallel.dims import (
+    build_device,
+    build_mesh,
+    data_parallel_rank,
+    init_distributed,
+    resolve_dims,
+    set_train_timeout,
+)
+from titan.parallel.init import apply_full_init, needs_full_init
+from titan.parallel.llama import parallelize_llama
+from titan.parallel.tp import build_vocab_sharded_loss
 from titan.train.lr import build_lr_scheduler
 from titan.train.nan_guard import check_finite, stop_hints
 from titan.train.optim import build_optimizer
@@ -52,10 +65,13 @@ def write_config(cfg: JobConfig, dump_folder: Path) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, world_size: int) -> None:
         self.cfg = cfg
         self.rank = current_rank()
         self.device = build_device()
+        self.dims = resolve_dims(cfg.parallelism, world_size)
+        init_distributed(cfg.comm, self.device, world_size)
+        self.mesh = build_mesh(self.dims, self.device)
         self.dump_folder = Path(cfg.job.dump_folder)
         if self.rank == 0:
             write_config(cfg, self.dump_folder)
@@ -66,17 +82,15 @@ class Trainer:
         with torch.device("meta"):
             self.model = Transformer(self.model_args)
         self.log_model_size()
-        if cfg.training.compile:
-            apply_compile(self.model)
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            init_weights(self.model, buffer_device=self.device)
+        parallelize_llama(self.model, self.dims, self.mesh, cfg.parallelism, cfg.activation_checkpoint, cfg.training)
+        self.init_model_weights()
         self.model.train()
 
-        self.loss_fn = torch.compile(cross_entropy_loss) if cfg.training.compile else cross_entropy_loss
+        self.loss_fn = self.build_loss_fn()
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank=0, dp_world_size=1)
+        dp_rank, dp_degree = data_parallel_rank(self.mesh)
+        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
         self.grad_accumulation_steps = self.count_accumulation_steps()
 
         self.flops_per_token = flops_per_token(self.model_args, num_params(self.model, exclude_embedding=True),
@@ -88,13 +102,43 @@ class Trainer:
         self.last_finite_loss: float | None = None
         self.current_lr = cfg.optimizer.lr
 
+    def init_model_weights(self) -> None:
+        """Materialise the (possibly sharded) model on the device and initialise it from the seed."""
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            init_weights(self.model, buffer_device=self.device)
+        if needs_full_init(self.model, self.device):
+            apply_full_init(self.model, self.build_full_model)
+
+    def build_full_model(self) -> Transformer:
+        """An unsharded copy initialised exactly as a single process would initialise it."""
+        torch.manual_seed(self.cfg.training.seed)
+        with torch.device("meta"):
+            full = Transformer(self.model_args)
+        full.to_empty(device=self.device)
+        with torch.no_grad():
+            init_weights(full, buffer_device=self.device)
+        return full
+
+    def build_loss_fn(self) -> Callable[..., torch.Tensor]:
+        """Cross entropy over the real vocab: on vocab-sharded logits under loss parallel, else on plain ones."""
+        if self.loss_parallel_enabled:
+            padded_vocab = padded_vocab_size(self.model_args.vocab_size, self.model_args.vocab_size_multiple_of)
+            return build_vocab_sharded_loss(self.model_args.vocab_size, padded_vocab, self.mesh["tp"])
+        return torch.compile(cross_entropy_loss) if self.cfg.training.compile else cross_entropy_loss
+
+    @property
+    def loss_parallel_enabled(self) -> bool:
+        return self.dims.tp_enabled and not self.cfg.parallelism.disable_loss_parallel
+
     def count_accumulation_steps(self) -> int:
         """Micro-batches per optimizer step: global batch / (local batch x data-parallel degree)."""
         t = self.cfg.training
         if t.global_batch_size == -1:
             return 1
-        steps = t.global_batch_size // t.local_batch_size
-        logger.info(f"Global batch {t.global_batch_size}: {steps} gradient accumulation steps of {t.local_batch_size}")
+        steps = t.global_batch_size // (t.local_batch_size * self.dims.dp_degree)
+        logger.info(f"Global batch {t.global_batch_size}: {steps} gradient accumulation steps of "
+                    f"{t.local_batch_size} sequences on each of {self.dims.dp_degree} data-parallel ranks")
         return steps
 
     def log_model_size(self) -> None:
@@ -105,9 +149,10 @@ class Trainer:
                     f"{self.model.tok_embeddings.num_embeddings})")
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """Mixed precision for a single device: matmuls in --training.mixed_precision_param."""
+        """Mixed precision without FSDP: matmuls in --training.mixed_precision_param (FSDP casts parameters
+        itself, following the same field)."""
         dtype = to_dtype(self.cfg.training.mixed_precision_param)
-        if dtype == torch.float32:
+        if dtype == torch.float32 or self.dims.dp_enabled:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
 
@@ -127,13 +172,16 @@ class Trainer:
         for _ in range(self.grad_accumulation_steps):
             inputs, labels, waited = self.next_batch(data_iterator)
             data_wait += waited
-            with self.autocast():
-                logits = self.model(inputs)
-            loss = self.loss_fn(logits, labels, self.model_args.vocab_size) / self.grad_accumulation_steps
-            loss.backward()
-            loss_sum += loss.detach()
+            # Loss parallel needs its context around the loss and its backward.
+            with self.loss_context():
+                with self.autocast():
+                    logits = self.model(inputs)
+                loss = self.loss_fn(logits, labels, self.model_args.vocab_size) / self.grad_accumulation_steps
+                loss.backward()
+            # Under loss parallel the loss is a replicated DTensor; the sum stays a plain tensor.
+            loss_sum += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         grad_norm = self.clip_gradients()
-        loss_value, norm_value = loss_sum.item(), grad_norm.item()
+        loss_value, norm_value = self.global_mean(loss_sum).item(), grad_norm.item()
         check_finite(self.step, loss_value, norm_value, self.last_finite_loss, self.model, self.hints)
         self.current_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -143,13 +191,26 @@ class Trainer:
         self.meter.add_step(tokens, data_wait)
         return loss_value, norm_value
 
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
+
+    def global_mean(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """The loss over the whole global batch: the mean of the data-parallel ranks' losses (TP ranks of one
+        group already agree). Every rank then sees the same value, so all stop together on a non-finite one."""
+        if self.mesh is None or not self.dims.dp_enabled:
+            return local_loss
+        return funcol.all_reduce(local_loss, reduceOp="avg", group=self.mesh["dp"])
+
     def clip_gradients(self) -> torch.Tensor:
-        """Total gradient norm, clipping to --training.max_norm when it is positive."""
+        """Global gradient norm over every shard on every mesh, clipping to --training.max_norm when positive."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.training.max_norm
-        if max_norm > 0:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        return torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+        if isinstance(total_norm, DTensor):
+            # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
+            total_norm = total_norm.full_tensor()
+        if self.cfg.training.max_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, total_norm, foreach=True)
+        return total_norm
 
     def should_log(self) -> bool:
         return self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.training.steps
@@ -167,6 +228,8 @@ class Trainer:
                 while self.step < total:
                     self.step += 1
                     loss, grad_norm = self.train_step(data_iterator)
+                    if self.step == 1:
+                        set_train_timeout(self.cfg.comm)
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step

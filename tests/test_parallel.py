@@ -1,0 +1,114 @@
+"""Parallel layouts on real gloo processes match one process on the same global batch."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
+HARNESS = str(ROOT / "tests" / "parallel_harness.py")
+STEPS = 5
+# fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 5 steps move the weights visibly.
+BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--training.seq_len", "64",
+        "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1"]
+
+
+def run_harness(tmp_path: Path, name: str, nprocs: int, data_shards: int, *flags: str) -> dict:
+    out = tmp_path / f"{name}.pt"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", HARNESS,
+               str(out), str(data_shards), *BASE, "--job.dump_folder", str(tmp_path / name), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "LOG_RANK": "0"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def reference_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One process reading both data-parallel shards: global batch 2 x 2 sequences."""
+    return run_harness(tmp_path_factory.mktemp("ref"), "ref_dp2", 1, 2, "--training.local_batch_size", "4")
+
+
+@pytest.fixture(scope="module")
+def reference_dp1(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_harness(tmp_path_factory.mktemp("ref"), "ref_dp1", 1, 1, "--training.local_batch_size", "4")
+
+
+def assert_same_run(got: dict, ref: dict) -> None:
+    torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    assert got["weights"].keys() == ref["weights"].keys()
+    # Adam divides by sqrt(v): where a gradient is near zero, reduction-order noise moves an update by up to
+    # ~1e-5. Far below one step's size (lr 3e-3), so a wrong update would still fail.
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=name)
+    # Training really moved the weights, so equal final weights mean equal updates.
+    assert ref["losses"][-1] < ref["losses"][0]
+
+
+@pytest.mark.parametrize("name, nprocs, flags", [
+    ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    ("hsdp2", 2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
+])
+def test_data_parallel_matches_one_process(tmp_path: Path, reference_dp2: dict, name: str, nprocs: int,
+                                           flags: list[str]) -> None:
+    got = run_harness(tmp_path, name, nprocs, 1, "--training.local_batch_size", "2", *flags)
+    assert_same_run(got, reference_dp2)
+
+
+def test_tensor_parallel_matches_one_process(tmp_path: Path, reference_dp1: dict) -> None:
+    got = run_harness(tmp_path, "tp2", 2, 1, "--training.local_batch_size", "4",
+                      "--parallelism.tensor_parallel_degree", "2")
+    assert_same_run(got, reference_dp1)
+
+
+def test_tensor_parallel_without_loss_parallel(tmp_path: Path, reference_dp1: dict) -> None:
+    got = run_harness(tmp_path, "tp2_gathered", 2, 1, "--training.local_batch_size", "4",
+                      "--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel")
+    assert_same_run(got, reference_dp1)
+
+
+def test_compiled_tensor_parallel_matches_one_process(tmp_path: Path, reference_dp1: dict) -> None:
+    """Compiled blocks under TP: the layout in which a plain-tensor residual stream broke gradients."""
+    got = run_harness(tmp_path, "tp2_compiled", 2, 1, "--training.local_batch_size", "4",
+                      "--parallelism.tensor_parallel_degree", "2", "--training.compile")
+    assert_same_run(got, reference_dp1)
+
+
+def test_fsdp_and_tp_on_four_processes(tmp_path: Path, reference_dp2: dict) -> None:
+    got = run_harness(tmp_path, "fsdp2_tp2", 4, 1, "--training.local_batch_size", "2",
+                      "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2")
+    assert_same_run(got, reference_dp2)
+
+
+def run_losses(tmp_path: Path, *flags: str) -> list[float]:
+    trainer = Trainer(load_job_config([*BASE, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
+                                       *flags], world_size=1), world_size=1)
+    data = iter(trainer.dataloader)
+    losses = []
+    for _ in range(3):
+        trainer.step += 1
+        losses.append(trainer.train_step(data)[0])
+    return losses
+
+
+def test_activation_checkpointing_modes_give_the_same_losses(tmp_path: Path) -> None:
+    none = run_losses(tmp_path / "none")
+    for name, flags in [("full", ["--activation_checkpoint.mode", "full"]),
+                        ("op", ["--activation_checkpoint.mode", "selective"]),
+                        ("every2", ["--activation_checkpoint.mode", "selective",
+                                    "--activation_checkpoint.selective_ac_option", "2"])]:
+        torch.testing.assert_close(run_losses(tmp_path / name, *flags), none, rtol=1e-6, atol=0, msg=name)
+
+
+def test_wrong_degree_product_is_a_config_error() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_job_config([*BASE, "--parallelism.data_parallel_shard_degree", "2",
+                         "--parallelism.tensor_parallel_degree", "2"], world_size=2)
+    assert "must multiply to the world size 2" in str(err.value)

@@ -1,0 +1,62 @@
+"""Activation checkpointing per transformer block: full, every k-th block, or selective by op."""
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+from titan.metrics.log import logger
+
+# Ops whose outputs selective AC keeps: expensive to recompute relative to the memory they hold.
+# Matmuls are kept every other call (see save_policy); attention and TP reductions always.
+SAVE_ALWAYS = {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+}
+if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+    SAVE_ALWAYS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+
+
+def op_sac_context() -> tuple:
+    """Selective-checkpoint contexts that save SAVE_ALWAYS outputs and every second matmul, recomputing the
+    rest (norms, activations, rotary): most of full AC's memory saving for a fraction of its recompute."""
+    mm_calls: defaultdict[str, int] = defaultdict(int)
+
+    def save_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in SAVE_ALWAYS:
+            return CheckpointPolicy.MUST_SAVE
+        if op == torch.ops.aten.mm.default:
+            mode = "recompute" if ctx.is_recompute else "forward"
+            mm_calls[mode] += 1
+            # The same count in forward and recompute keeps the two passes' decisions aligned.
+            if mm_calls[mode] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(save_policy)
+
+
+def checkpoint_every(option: str) -> int | None:
+    """k for `selective_ac_option` "k" (checkpoint every k-th block), None for "op"."""
+    return None if option == "op" else int(option)
+
+
+def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+    """Wrap the blocks of `model.layers` in place: mode "full" checkpoints every block; "selective" with
+    option "op" saves by op inside every block, with option "k" checkpoints blocks 0, k, 2k, ... fully."""
+    every = checkpoint_every(selective_option) if mode == "selective" else 1
+    wrapped = 0
+    for layer_id, block in model.layers.items():
+        if mode == "selective" and every is None:
+            model.layers[layer_id] = checkpoint_wrapper(block, context_fn=op_sac_context, preserve_rng_state=False)
+            wrapped += 1
+        elif int(layer_id) % every == 0:
+            model.layers[layer_id] = checkpoint_wrapper(block, preserve_rng_state=False)
+            wrapped += 1
+    kind = "selective by op" if mode == "selective" and every is None else "full"
+    logger.info(f"Applied {kind} activation checkpointing to {wrapped} of {len(model.layers)} blocks")

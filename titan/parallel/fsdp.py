@@ -1,0 +1,34 @@
+"""FSDP2 (fully_shard) per transformer block and the root, with mixed precision; HSDP on a 2-D mesh."""
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from titan.metrics.log import logger
+
+
+def reshard_block_after_forward(policy: str, layer_index: int, num_layers: int) -> bool:
+    """"default" keeps the last block gathered: its backward starts right after the forward ends."""
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    return layer_index < num_layers - 1
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+               reshard_after_forward: str) -> None:
+    """Shard every block of `model.layers`, then the root (embedding, final norm, output), over `mesh`:
+    parameters all-gathered in param_dtype, gradients reduce-scattered in reduce_dtype. A 2-D mesh
+    (replicate, shard) gives HSDP."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    num_layers = len(model.layers)
+    for index, block in enumerate(model.layers.values()):
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=reshard_block_after_forward(reshard_after_forward, index, num_layers))
+    # The root's parameters are used last in forward and first in backward: no point resharding them.
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+    kind = "HSDP" if mesh.ndim == 2 else "FSDP2"
+    logger.info(f"Applied {kind} over {tuple(mesh.shape)} ranks to {num_layers} blocks and the root "
+                f"(params {param_dtype}, reduce {reduce_dtype}, reshard after forward: {reshard_after_forward})")

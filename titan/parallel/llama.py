@@ -1,0 +1,38 @@
+"""The order in which Titan parallelizes a Llama model."""
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan.config.dtypes import to_dtype
+from titan.config.job import ActivationCheckpoint, Parallelism, Training
+from titan.metrics.log import logger
+from titan.models.llama.model import Transformer
+from titan.parallel.ac import apply_ac
+from titan.parallel.compile import apply_compile
+from titan.parallel.dims import ParallelDims, fsdp_mesh
+from titan.parallel.fsdp import apply_fsdp
+from titan.parallel.tp import apply_tp
+
+
+def parallelize_llama(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, par: Parallelism,
+                      ac: ActivationCheckpoint, train: Training) -> None:
+    """Shard and wrap `model` in place. Order matters: TP first, so later stages see DTensor weights; compile
+    traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block."""
+    if dims.tp_enabled:
+        apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel,
+                 async_tp=par.enable_async_tensor_parallel)
+    else:
+        logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
+    if ac.mode != "none":
+        apply_ac(model, ac.mode, ac.selective_ac_option)
+    else:
+        logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
+    if train.compile:
+        apply_compile(model)
+    else:
+        logger.info("torch.compile: off (--training.compile to turn it on)")
+    if dims.dp_enabled:
+        apply_fsdp(model, fsdp_mesh(mesh, dims), param_dtype=to_dtype(train.mixed_precision_param),
+                   reduce_dtype=to_dtype(train.mixed_precision_reduce),
+                   reshard_after_forward=par.fsdp_reshard_after_forward)
+    else:
+        logger.info("FSDP2: off (one data-parallel rank)")
