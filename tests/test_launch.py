@@ -101,3 +101,4 @@ def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "must multiply to the world size 2" in output and "Traceback" not in output
+

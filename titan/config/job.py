@@ -172,6 +172,32 @@ class ActivationCheckpoint:
 
 
 @dataclass
+class Float8:
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    """Scale granularity: one scale per tensor (fastest), one per row (more accurate, slower), or rowwise with
+    the weight-gradient matmul kept in high precision (most accurate)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
+    output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""
+    emulate: bool = False
+    """Quantize, but run matmuls in high precision. Works on CPU and pre-SM89 GPUs; for tests, not speed."""
+    auto_filter_small_kdims: bool = False
+    """Also skip linears too small to gain from float8 (torchao's published size thresholds per recipe)."""
+    enable_fsdp_float8_all_gather: bool = False
+    """All-gather FSDP weights in float8 instead of high precision (half the traffic of bf16). Tensorwise only."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = False
+    """With the float8 all-gather: compute every weight's scale in one fused step after the optimizer step,
+    instead of one small all-reduce per layer."""
+
+
+@dataclass
+class Compile:
+    emulate_precision_casts: bool = False
+    """Make inductor round intermediates to their dtype as eager does (inductor's emulate_precision_casts).
+    Fixes NaN losses seen with float8 rowwise + torch.compile + RMSNorm; slightly slower."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -183,3 +209,5 @@ class JobConfig:
     comm: Comm = field(default_factory=Comm)
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    compile: Compile = field(default_factory=Compile)

@@ -15,7 +15,9 @@ from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 
 # Model converters this build provides; each converter issue registers its name here.
-AVAILABLE_CONVERTERS: tuple[str, ...] = ()
+AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8",)
+# Float8 matmuls need SM89+ (Ada, Hopper, Blackwell).
+FLOAT8_MIN_CAPABILITY = (8, 9)
 
 POSITIVE_FIELDS = (
     ("training", "steps"), ("training", "local_batch_size"), ("training", "seq_len"),
@@ -164,6 +166,39 @@ def check_selective_ac_option(cfg: JobConfig, world_size: int) -> str | None:
             f"(checkpoint every k-th block).")
 
 
+def check_float8_all_gather(cfg: JobConfig, world_size: int) -> list[str]:
+    f8 = cfg.float8
+    problems = []
+    if f8.enable_fsdp_float8_all_gather and f8.recipe_name != "tensorwise":
+        problems.append(f"--float8.enable_fsdp_float8_all_gather only works with --float8.recipe_name tensorwise "
+                        f"(got {f8.recipe_name!r}). Switch to tensorwise or turn off the all-gather.")
+    if f8.enable_fsdp_float8_all_gather and cfg.parallelism.tensor_parallel_degree > 1:
+        problems.append(f"--float8.enable_fsdp_float8_all_gather does not combine with --parallelism."
+                        f"tensor_parallel_degree {cfg.parallelism.tensor_parallel_degree} yet (TP re-wraps the "
+                        f"weights before FSDP sees them). Turn one of them off.")
+    if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
+        problems.append("--float8.precompute_float8_dynamic_scale_for_fsdp needs --float8.enable_fsdp_float8_all_gather "
+                        "(it precomputes the all-gather's scales). Add it or drop the precompute flag.")
+    return problems
+
+
+def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
+    if "float8" not in cfg.model.converters or cfg.float8.emulate or not torch.cuda.is_available():
+        return []
+    problems = []
+    capability = torch.cuda.get_device_capability()
+    if capability < FLOAT8_MIN_CAPABILITY:
+        problems.append(f"--model.converters float8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, "
+                        f"Blackwell); this {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}. Add "
+                        f"--float8.emulate to run the same quantization with high-precision matmuls.")
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    if tokens % 16:
+        problems.append(f"--training.local_batch_size x --training.seq_len = {tokens} tokens must be divisible by 16 "
+                        f"for float8's weight-gradient matmul on CUDA. Try --training.seq_len "
+                        f"{cfg.training.seq_len // 16 * 16 or 16}.")
+    return problems
+
+
 def largest_divisor_at_most(size: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if size % d == 0)
 
@@ -176,7 +211,8 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
     check_seq_len, check_global_batch, check_converters, check_tokenizer_path, check_dataset_path,
     check_lr_schedule, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
-    check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option,
+    check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
+    check_float8_hardware,
 )
 
 

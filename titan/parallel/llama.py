@@ -3,7 +3,7 @@
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.dtypes import to_dtype
-from titan.config.job import ActivationCheckpoint, Parallelism, Training
+from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
 from titan.models.llama.model import Transformer
 from titan.parallel.ac import apply_ac
@@ -14,7 +14,7 @@ from titan.parallel.tp import apply_tp
 
 
 def parallelize_llama(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, par: Parallelism,
-                      ac: ActivationCheckpoint, train: Training) -> None:
+                      ac: ActivationCheckpoint, train: Training, compile_cfg: Compile) -> None:
     """Shard and wrap `model` in place. Order matters: TP first, so later stages see DTensor weights; compile
     traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block."""
     if dims.tp_enabled:
@@ -27,7 +27,7 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, mesh: DeviceMesh |
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
     if train.compile:
-        apply_compile(model)
+        apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts)
     else:
         logger.info("torch.compile: off (--training.compile to turn it on)")
     if dims.dp_enabled:

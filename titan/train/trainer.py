@@ -36,6 +36,8 @@ from titan.parallel.dims import (
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
 from titan.parallel.tp import build_vocab_sharded_loss
+from titan.quant.convert import apply_converters
+from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.train.lr import build_lr_scheduler
 from titan.train.nan_guard import check_finite, stop_hints
 from titan.train.optim import build_optimizer
@@ -82,7 +84,11 @@ class Trainer:
         with torch.device("meta"):
             self.model = Transformer(self.model_args)
         self.log_model_size()
-        parallelize_llama(self.model, self.dims, self.mesh, cfg.parallelism, cfg.activation_checkpoint, cfg.training)
+        apply_converters(self.model, cfg.model.converters, cfg.float8, cfg.model.print_after_conversion)
+        if self.float8_all_gather_enabled:
+            apply_float8_all_gather(self.model)
+        parallelize_llama(self.model, self.dims, self.mesh, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
+                          cfg.compile)
         self.init_model_weights()
         self.model.train()
 
@@ -126,6 +132,12 @@ class Trainer:
             padded_vocab = padded_vocab_size(self.model_args.vocab_size, self.model_args.vocab_size_multiple_of)
             return build_vocab_sharded_loss(self.model_args.vocab_size, padded_vocab, self.mesh["tp"])
         return torch.compile(cross_entropy_loss) if self.cfg.training.compile else cross_entropy_loss
+
+    @property
+    def float8_all_gather_enabled(self) -> bool:
+        """FSDP all-gathers float8 weights only where there is FSDP and a float8 converter."""
+        return ("float8" in self.cfg.model.converters and self.cfg.float8.enable_fsdp_float8_all_gather
+                and self.dims.dp_enabled)
 
     @property
     def loss_parallel_enabled(self) -> bool:
@@ -185,6 +197,8 @@ class Trainer:
         check_finite(self.step, loss_value, norm_value, self.last_finite_loss, self.model, self.hints)
         self.current_lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        if self.float8_all_gather_enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
+            precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.last_finite_loss = loss_value
         tokens = self.cfg.training.local_batch_size * self.cfg.training.seq_len * self.grad_accumulation_steps
