@@ -7,9 +7,6 @@ high-precision weight, and a precomputed amax equals the all-reduced one. Every 
 """
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ from titan.quant.float8.fsdp import (
     Float8AllGatherWeight, Float8GatheredWeight, apply_float8_all_gather, weight_float8_tensorwise,
 )
 from titan.quant.float8.linear import Float8Linear
+from torchrun import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -31,19 +29,11 @@ PAIRS = [("fp32", "fp32_float8_all_gather"), ("fp32", "fp32_float8_all_gather_pr
 FLOAT8_VARIANTS = [name for name, variant in VARIANTS.items() if variant.float8_all_gather]
 
 
-def torchrun(script: str, *args: str) -> None:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
-               str(ROOT / "tests" / script), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False,
-                            env={**os.environ, "LOG_RANK": "0"})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every variant of tests/float8_fsdp_harness.py, trained on 2 gloo ranks."""
     tmp_path = tmp_path_factory.mktemp("float8_fsdp")
-    torchrun("float8_fsdp_harness.py", str(tmp_path / "runs.pt"), str(tmp_path / "checkpoints"))
+    run_torchrun("float8_fsdp_harness.py", WORLD_SIZE, str(tmp_path / "runs.pt"), str(tmp_path / "checkpoints"))
     return torch.load(tmp_path / "runs.pt")
 
 
@@ -127,7 +117,7 @@ def test_trainer_float8_all_gather_matches_high_precision(tmp_path: Path) -> Non
     all_gather = ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
     runs = {}
     for name, extra in (("high_precision", []), ("float8", all_gather)):
-        torchrun("parallel_harness.py", str(tmp_path / f"{name}.pt"), "1", *flags,
+        run_torchrun("parallel_harness.py", WORLD_SIZE, str(tmp_path / f"{name}.pt"), "1", *flags,
                  "--job.dump_folder", str(tmp_path / name), *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt")
     assert runs["float8"]["losses"] == runs["high_precision"]["losses"]

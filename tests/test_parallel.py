@@ -1,8 +1,5 @@
 """Parallel layouts on real gloo processes match one process on the same global batch."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +8,10 @@ import torch
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.train.trainer import Trainer
+from torchrun import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
-HARNESS = str(ROOT / "tests" / "parallel_harness.py")
 STEPS = 5
 # fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 5 steps move the weights visibly.
 BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--training.seq_len", "64",
@@ -23,10 +20,8 @@ BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--trai
 
 def run_harness(tmp_path: Path, name: str, nprocs: int, data_shards: int, *flags: str) -> dict:
     out = tmp_path / f"{name}.pt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", HARNESS,
-               str(out), str(data_shards), *BASE, "--job.dump_folder", str(tmp_path / name), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "LOG_RANK": "0"})
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_torchrun("parallel_harness.py", nprocs, str(out), str(data_shards), *BASE, "--job.dump_folder",
+                 str(tmp_path / name), *flags)
     return torch.load(out)
 
 

@@ -110,20 +110,22 @@ class Trainer:
 
     def init_model_weights(self) -> None:
         """Materialise the (possibly sharded) model on the device and initialise it from the seed."""
-        self.model.to_empty(device=self.device)
-        with torch.no_grad():
-            init_weights(self.model, buffer_device=self.device)
+        self.materialize(self.model)
         if needs_full_init(self.model, self.device):
             apply_full_init(self.model, self.build_full_model)
+
+    def materialize(self, model: Transformer) -> None:
+        """Allocate a meta-built model on the device and fill it with init_weights."""
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            init_weights(model, buffer_device=self.device)
 
     def build_full_model(self) -> Transformer:
         """An unsharded copy initialised exactly as a single process would initialise it."""
         torch.manual_seed(self.cfg.training.seed)
         with torch.device("meta"):
             full = Transformer(self.model_args)
-        full.to_empty(device=self.device)
-        with torch.no_grad():
-            init_weights(full, buffer_device=self.device)
+        self.materialize(full)
         return full
 
     def build_loss_fn(self) -> Callable[..., torch.Tensor]:
