@@ -9,47 +9,16 @@ High precision means bf16 on a GPU and fp32 on a CPU (CPUs have no fast bf16 mat
 """
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
+from bench_common import DEBUG_TOML, final_loss, llama_8b_linear_shapes, time_fwd_bwd
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from titan.config.check import load_job_config  # noqa: E402
-from titan.metrics.log import init_logger  # noqa: E402
-from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim  # noqa: E402
-from titan.quant.float8.linear import RECIPES, Float8Linear  # noqa: E402
-from titan.train.trainer import Trainer  # noqa: E402
-
-
-def llama_8b_linear_shapes() -> list[tuple[str, int, int]]:
-    """(name, in_features, out_features) of one Llama 3 8B block's linears."""
-    args = LLAMA3_FLAVORS["8B"]
-    head_dim = args.dim // args.n_heads
-    hidden = ffn_hidden_dim(args)
-    return [("wq/wo", args.dim, args.dim), ("wk/wv", args.dim, args.n_kv_heads * head_dim),
-            ("w1/w3", args.dim, hidden), ("w2", hidden, args.dim)]
-
-
-def time_fwd_bwd(module: nn.Module, x: torch.Tensor, repeats: int) -> float:
-    """Median seconds of one forward + backward."""
-    grad = torch.randn(x.shape[0], module.out_features, device=x.device, dtype=x.dtype)
-    times = []
-    for _ in range(repeats + 2):
-        xi = x.detach().requires_grad_()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        module(xi).backward(grad)
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[2:])[len(times[2:]) // 2]
+from titan.config.check import load_job_config
+from titan.metrics.log import init_logger
+from titan.quant.float8.linear import RECIPES, Float8Linear
+from titan.train.trainer import Trainer
 
 
 def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
@@ -61,7 +30,7 @@ def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
     for name, in_features, out_features in llama_8b_linear_shapes():
         x = torch.randn(tokens, in_features, device=device, dtype=dtype)
         reference = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
-        modules = [reference] + [Float8Linear.from_linear(reference, recipe, emulate=False) for recipe in RECIPES]
+        modules = [reference] + [Float8Linear.from_linear(reference, recipe_name=recipe, emulate=False) for recipe in RECIPES]
         if compile_modules:
             modules = [torch.compile(m) for m in modules]
         seconds = [time_fwd_bwd(m, x, repeats) for m in modules]
@@ -71,8 +40,7 @@ def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
 
 
 def train_tokens_per_second(flags: list[str], steps: int, warmup: int) -> float:
-    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
-            "/tmp/titan_bench_float8", *flags]
+    argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", "/tmp/titan_bench_float8", *flags]
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     data = iter(trainer.dataloader)
     for _ in range(warmup):
@@ -96,14 +64,6 @@ def bench_training(flags: list[str], steps: int, warmup: int) -> None:
         tps = train_tokens_per_second([*flags, "--model.converters", "float8", "--float8.recipe_name", recipe],
                                       steps, warmup)
         print(f"{'float8 ' + recipe:<32} {tps:12,.0f} {tps / baseline:17.2f}x")
-
-
-def final_loss(flags: list[str], steps: int, folder: str) -> float:
-    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder", folder,
-            "--training.steps", str(steps), "--metrics.log_freq", str(steps), *flags]
-    Trainer(load_job_config(argv, world_size=1), world_size=1).run()
-    last = (Path(folder) / "metrics.jsonl").read_text().splitlines()[-1]
-    return json.loads(last)["loss"]
 
 
 def loss_curve(flags: list[str], steps: int) -> None:

@@ -1,6 +1,5 @@
 """Float8Linear numerics, the conversion rules and report, and float8 training on the debug model."""
 
-import json
 import math
 from pathlib import Path
 
@@ -8,16 +7,14 @@ import pytest
 import torch
 from torch import nn
 
+from debug_training import DEBUG_TOML, train_losses
 from reference import float8_ref
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import Float8
 from titan.quant.convert import apply_float8, format_report
 from titan.quant.float8.linear import RECIPES, Float8Linear
-from titan.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
 RECIPE_NAMES = list(RECIPES)
 
 
@@ -30,7 +27,7 @@ def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
 def linear_pair(recipe_name: str, emulate: bool, seed: int = 0) -> tuple[nn.Linear, Float8Linear]:
     torch.manual_seed(seed)
     reference = nn.Linear(64, 48, bias=False)
-    converted = Float8Linear.from_linear(nn.Linear(64, 48, bias=False), recipe_name, emulate)
+    converted = Float8Linear.from_linear(nn.Linear(64, 48, bias=False), recipe_name=recipe_name, emulate=emulate)
     with torch.no_grad():
         converted.weight.copy_(reference.weight)
     return reference, converted
@@ -154,14 +151,6 @@ def test_float8_config_errors(args: list[str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         load_job_config(["--job.config_file", DEBUG_TOML, "--model.converters", "float8", *args],
                         world_size=2 if "--parallelism.tensor_parallel_degree" in args else 1)
-
-
-def train_losses(tmp_path: Path, *args: str) -> list[float]:
-    argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--optimizer.lr", "2e-3",
-            "--lr_scheduler.warmup_steps", "2", *args]
-    Trainer(load_job_config(argv, world_size=1), world_size=1).run()
-    return [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")

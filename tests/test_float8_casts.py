@@ -3,9 +3,6 @@ inputs, power-of-2 scales, torch.compile, and the Triton kernels against the tor
 
 import itertools
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +11,8 @@ from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from float8_codes import assert_codes_equal, spec_test_values
+from triton_interpreter import run_interpreted
 from reference import float8_ref as ref
 from titan.quant.float8.casts import (
     E4M3,
@@ -28,41 +27,14 @@ from titan.quant.float8.casts import (
     torch_tensorwise_cast,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 FORMATS = [pytest.param(E4M3, ref.E4M3, id="e4m3"), pytest.param(E5M2, ref.E5M2, id="e5m2")]
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
-
-
-def assert_codes_equal(data: Tensor, codes: Tensor) -> None:
-    """Bit-exact, except that any two nans match: IEEE 754 leaves a nan's sign unspecified, and x86 and CUDA
-    give 0 * inf different signs."""
-    assert data.shape == codes.shape
-    spec = {E4M3: ref.E4M3, E5M2: ref.E5M2}[data.dtype]
-    got, want = data.view(torch.uint8), codes.view(torch.uint8)
-    got_nan, want_nan = ref.decode_codes(spec, got).isnan(), ref.decode_codes(spec, want).isnan()
-    assert torch.equal(got_nan, want_nan), (f"{int(got_nan.sum())} nans, expected {int(want_nan.sum())}; first "
-                                            f"difference at {(got_nan != want_nan).nonzero()[0].tolist()}")
-    mismatch = (got != want) & ~got_nan
-    assert not mismatch.any(), (f"{int(mismatch.sum())} codes differ, first at {mismatch.nonzero()[0].tolist()}: "
-                                f"got {got[mismatch][0]:#04x}, want {want[mismatch][0]:#04x}")
 
 
 def assert_scale_equal(scale: Tensor, want: Tensor | float) -> None:
     """Exact fp32 equality (nan equals nan), with the scale's shape."""
     torch.testing.assert_close(scale, torch.as_tensor(want, dtype=torch.float64).float(), rtol=0, atol=0,
                                equal_nan=True)
-
-
-def spec_test_values(spec: ref.Float8Spec) -> Tensor:
-    """Every finite value of the format with both signs, the midpoints between neighbours (ties), one fp32 ulp
-    either side of each midpoint, values beyond max (saturation) and nan; all exactly representable in fp32."""
-    grid = torch.tensor([ref.decode(spec, code) for code in ref.positive_finite_codes(spec)], dtype=torch.float32)
-    midpoints = (grid[:-1] + grid[1:]) / 2  # exact: one more mantissa bit than the format
-    max_value = grid[-1]
-    beyond = torch.tensor([max_value * 1.001, max_value * 2, 1e30, 3e38, math.inf, math.nan])
-    positive = torch.cat([grid, midpoints, torch.nextafter(midpoints, torch.zeros(())),
-                          torch.nextafter(midpoints, torch.tensor(math.inf)), beyond])
-    return torch.cat([positive, -positive])
 
 
 @pytest.mark.parametrize("float8_dtype,spec", FORMATS)
@@ -269,13 +241,8 @@ def check_triton_kernels_match_torch(device: str) -> None:
 
 
 def test_triton_kernels_match_torch_path_interpreted() -> None:
-    """On CPU through TRITON_INTERPRET=1, which triton reads when it decorates the kernels, so in a fresh process."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    command = "from test_float8_casts import check_triton_kernels_match_torch; check_triton_kernels_match_torch('cpu')"
-    result = subprocess.run([sys.executable, "-c", command], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-6000:]
+    run_interpreted("test_float8_casts", "check_triton_kernels_match_torch('cpu')")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the interpreted test covers the kernels")

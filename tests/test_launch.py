@@ -1,10 +1,13 @@
 """./run_train.sh end to end, as a user runs it: real torchrun, real processes, exit codes and messages."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,3 +105,19 @@ def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
     assert result.returncode == 2, output
     assert "must multiply to the world size 2" in output and "Traceback" not in output
 
+
+MX_COMMAND = ["--model.print_after_conversion", "--training.compile", "--training.steps", "8", "--training.seq_len",
+              "64", "--metrics.log_freq", "1", "--model.converters", "mx", "--mx.recipe_name", "mxfp8", "--mx.emulate"]
+
+
+@pytest.mark.parametrize("filter_flags", [["--mx.filter_fqns", "output"], []], ids=["filter-output", "default"])
+def test_ngpu2_mx_command_trains(tmp_path: Path, filter_flags: list[str]) -> None:
+    """The MX command users paste, shortened (8 steps of 64 tokens): with or without --mx.filter_fqns "output",
+    the report lists the output projection as skipped and the loss falls."""
+    result = run_train(*MX_COMMAND, *filter_flags, "--job.dump_folder", str(tmp_path), env={"NGPU": "2"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "skipped: matches --mx.filter_fqns 'output'" in result.stdout
+    assert "42 of 43 linear layers converted" in result.stdout
+    assert "MXLinear(in_features=256, out_features=768, bias=False, mx=mxfp8, emulated)" in result.stdout
+    losses = losses_of(tmp_path)
+    assert len(losses) == 8 and all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]

@@ -109,25 +109,32 @@ def test_wrong_degree_product_is_a_config_error() -> None:
     assert "must multiply to the world size 2" in str(err.value)
 
 
-# The output layer converts too (it is TP-sharded). Emulated: the same casts and scales with fp32 matmuls, since
-# CPU float8 matmuls are slow; native _scaled_mm is covered by tests/test_float8.py.
+# The output layer converts too (it is TP-sharded). Emulated: the same quantization with fp32 matmuls, since CPU
+# float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
 FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns"]
+MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
 @pytest.mark.parametrize("name, nprocs, data_shards, local_batch, flags", [
-    ("fsdp2_float8", 2, 2, 2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    ("tp2_float8", 2, 1, 4, ["--parallelism.tensor_parallel_degree", "2"]),
+    ("fsdp2_float8", 2, 2, 2, [*FSDP2, *FLOAT8]),
+    ("tp2_float8", 2, 1, 4, [*TP2, *FLOAT8]),
+    ("fsdp2_mx", 2, 2, 2, [*FSDP2, *MX]),
+    ("tp2_mx", 2, 1, 4, [*TP2, *MX]),
 ])
-def test_float8_under_fsdp_and_tp(tmp_path: Path, name: str, nprocs: int, data_shards: int, local_batch: int,
-                                  flags: list[str]) -> None:
-    """Weight scales come from global amaxes (DTensor reductions under TP, unsharded weights under FSDP), so
-    step 1 matches one process to 1e-5 (under FSDP the activation scales come from each rank's own micro-batch,
-    a small, expected difference). After that, a 1e-7 reduction-order difference can push a value across a
-    float8 rounding boundary (e4m3 steps are 2^-3 relative) and Adam turns near-zero gradient differences
-    into lr-sized steps, so losses agree to 1e-3 and final weights are not compared element-wise."""
+def test_low_precision_under_fsdp_and_tp(tmp_path: Path, name: str, nprocs: int, data_shards: int,
+                                         local_batch: int, flags: list[str]) -> None:
+    """Float8 weight scales come from global amaxes (DTensor reductions under TP, unsharded weights under FSDP);
+    MX blocks never cross a TP shard (the converter checks it), so each rank's blocks are the global ones. Step 1
+    matches one process to 1e-5 (under FSDP the scales of activations come from each rank's own micro-batch, a
+    small, expected difference: float8's per tensor, MX's grad_weight blocks along tokens). After that, a 1e-7
+    reduction-order difference can push a value across a rounding boundary (e4m3 steps are 2^-3 relative) and
+    Adam turns near-zero gradient differences into lr-sized steps, so losses agree to 1e-3 and final weights are
+    not compared element-wise."""
     reference = run_harness(tmp_path, f"ref_{name}", 1, data_shards, "--training.local_batch_size",
-                            str(local_batch * data_shards), *FLOAT8)
-    got = run_harness(tmp_path, name, nprocs, 1, "--training.local_batch_size", str(local_batch), *flags, *FLOAT8)
+                            str(local_batch * data_shards), *flags[2:])
+    got = run_harness(tmp_path, name, nprocs, 1, "--training.local_batch_size", str(local_batch), *flags)
     torch.testing.assert_close(got["losses"][0], reference["losses"][0], rtol=1e-5, atol=0)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-3, atol=0)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5

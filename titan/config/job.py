@@ -191,6 +191,19 @@ class Float8:
 
 
 @dataclass
+class MX:
+    recipe_name: Literal["mxfp8"] = "mxfp8"
+    """MX recipe: mxfp8 = E4M3 elements in blocks of 32 sharing one E8M0 (power-of-two) scale, in all three
+    matmuls of every converted linear (OCP Microscaling spec v1.0)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
+    output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""
+    emulate: bool = False
+    """Quantize to MX, but run matmuls in high precision. Native MX needs an NVIDIA GPU with compute capability
+    10.0+ (Blackwell); emulate runs the same numerics on CPU and older GPUs, for tests, not speed."""
+
+
+@dataclass
 class Compile:
     emulate_precision_casts: bool = False
     """Make inductor round intermediates to their dtype as eager does (inductor's emulate_precision_casts).
@@ -210,4 +223,5 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
+    mx: MX = field(default_factory=MX)
     compile: Compile = field(default_factory=Compile)

@@ -15,9 +15,11 @@ from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 
 # Model converters this build provides; each converter issue registers its name here.
-AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8",)
+AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx")
 # Float8 matmuls need SM89+ (Ada, Hopper, Blackwell).
 FLOAT8_MIN_CAPABILITY = (8, 9)
+# Block-scaled (MX) matmuls need SM100+ (Blackwell).
+MX_MIN_CAPABILITY = (10, 0)
 
 POSITIVE_FIELDS = (
     ("training", "steps"), ("training", "local_batch_size"), ("training", "seq_len"),
@@ -199,6 +201,21 @@ def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
+    if "mx" not in cfg.model.converters or cfg.mx.emulate:
+        return None
+    if not torch.cuda.is_available():
+        found = "this machine has no CUDA GPU"
+    elif torch.cuda.get_device_capability() < MX_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability()
+        found = f"this {torch.cuda.get_device_name()} is {major}.{minor}"
+    else:
+        return None
+    return (f"--model.converters mx runs natively only on NVIDIA GPUs with compute capability 10.0 or newer "
+            f"(Blackwell: B200, GB200, B300), whose tensor cores multiply MX blocks; {found}. Add --mx.emulate to "
+            f"run the same MX quantization with high-precision matmuls (correct numerics, no speed-up).")
+
+
 def largest_divisor_at_most(size: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if size % d == 0)
 
@@ -212,7 +229,7 @@ RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
     check_seq_len, check_global_batch, check_converters, check_tokenizer_path, check_dataset_path,
     check_lr_schedule, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware,
+    check_float8_hardware, check_mx_hardware,
 )
 
 

@@ -2,13 +2,17 @@
 converted or kept. A layer a recipe cannot handle is skipped here, with its reason, never left to fail
 inside a kernel."""
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from torch import nn
 
-from titan.config.job import Float8
+from titan.config.errors import ConfigError
+from titan.config.job import MX, Float8
 from titan.metrics.log import logger
 from titan.quant.float8.linear import Float8Linear
+from titan.quant.mx.linear import MXLinear
+from titan.quant.mx.numerics import BLOCK_SIZE
 
 # Float8 matmul kernels (cuBLASLt, torch._scaled_mm) need both weight dims divisible by 16.
 FLOAT8_DIM_MULTIPLE = 16
@@ -33,12 +37,18 @@ class LayerDecision:
     converted: bool
 
 
+def filter_reason(fqn: str, filter_fqns: list[str], flag: str) -> str | None:
+    """The skip reason when `fqn` contains one of the `flag` substrings, else None."""
+    matched = [pattern for pattern in filter_fqns if pattern in fqn]
+    return f"skipped: matches {flag} {matched[0]!r}" if matched else None
+
+
 def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
     """Why `linear` must stay in high precision under `cfg`, or None if it converts."""
     out_features, in_features = linear.weight.shape
-    matched = [pattern for pattern in cfg.filter_fqns if pattern in fqn]
-    if matched:
-        return f"skipped: matches --float8.filter_fqns {matched[0]!r}"
+    filtered = filter_reason(fqn, cfg.filter_fqns, "--float8.filter_fqns")
+    if filtered:
+        return filtered
     if out_features % FLOAT8_DIM_MULTIPLE or in_features % FLOAT8_DIM_MULTIPLE:
         return f"skipped: {out_features}x{in_features} not divisible by {FLOAT8_DIM_MULTIPLE} (float8 matmuls need it)"
     limits = SMALL_LINEAR_LIMITS[cfg.recipe_name]
@@ -47,23 +57,76 @@ def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
     return None
 
 
-def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
-    """Swap every eligible nn.Linear of `model` for a Float8Linear in place; one decision per linear."""
+def mx_skip_reason(fqn: str, linear: nn.Linear, cfg: MX, tp_degree: int) -> str | None:
+    """Why `linear` must stay in high precision under `cfg` on a `tp_degree`-way TP mesh, or None if it converts."""
+    out_features, in_features = linear.weight.shape
+    filtered = filter_reason(fqn, cfg.filter_fqns, "--mx.filter_fqns")
+    if filtered:
+        return filtered
+    # Both dims are contracted by some matmul (in by the output, out by grad_input), so both need whole blocks.
+    if out_features % BLOCK_SIZE or in_features % BLOCK_SIZE:
+        return f"skipped: {out_features}x{in_features} not divisible by the MX block size {BLOCK_SIZE}"
+    # TP splits one of the two dims; every rank quantizes its shard, so a shard must hold whole blocks too.
+    shard_multiple = BLOCK_SIZE * tp_degree
+    if out_features % shard_multiple or in_features % shard_multiple:
+        return (f"skipped: {out_features}x{in_features} does not split into {tp_degree} TP shards of whole "
+                f"{BLOCK_SIZE}-element MX blocks")
+    return None
+
+
+def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str | None],
+                 build: Callable[[nn.Linear], nn.Linear], result: str) -> list[LayerDecision]:
+    """Replace every plain nn.Linear of `model` that `skip_reason` keeps (returns None for) with build(linear);
+    linears an earlier converter swapped are not plain nn.Linear and are left alone."""
     decisions = []
     for fqn, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
         out_features, in_features = module.weight.shape
-        reason = float8_skip_reason(fqn, module, cfg)
+        reason = skip_reason(fqn, module)
         if reason is None:
             parent_fqn, _, name = fqn.rpartition(".")
-            parent = model.get_submodule(parent_fqn)
-            setattr(parent, name, Float8Linear.from_linear(module, cfg.recipe_name, cfg.emulate))
-            result = f"float8 {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}"
-        else:
-            result = reason
-        decisions.append(LayerDecision(fqn, out_features, in_features, result, converted=reason is None))
+            setattr(model.get_submodule(parent_fqn), name, build(module))
+        decisions.append(LayerDecision(fqn, out_features, in_features, reason or result, converted=reason is None))
     return decisions
+
+
+def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
+    """Swap every eligible nn.Linear of `model` for a Float8Linear in place; one decision per linear."""
+    return swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg),
+                        lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name, emulate=cfg.emulate),
+                        f"float8 {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}")
+
+
+def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
+    """Swap every eligible nn.Linear of `model` for an MXLinear in place; one decision per linear."""
+    return swap_linears(model, lambda fqn, linear: mx_skip_reason(fqn, linear, cfg, tp_degree),
+                        lambda linear: MXLinear.from_linear(linear, recipe_name=cfg.recipe_name, emulate=cfg.emulate),
+                        f"mx {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}")
+
+
+def check_disjoint_converters(model: nn.Module, float8: Float8, mx: MX, tp_degree: int) -> None:
+    """Raise a ConfigError naming the linears that float8 and mx would both convert: a layer takes one recipe."""
+    both = [fqn for fqn, module in model.named_modules() if type(module) is nn.Linear
+            and float8_skip_reason(fqn, module, float8) is None and mx_skip_reason(fqn, module, mx, tp_degree) is None]
+    if both:
+        shown = ", ".join(both[:4]) + (f" and {len(both) - 4} more" if len(both) > 4 else "")
+        raise ConfigError([f"--model.converters float8 and mx would both convert {len(both)} linear layers ({shown}). "
+                           f"Each layer takes one recipe: add FQN substrings to --float8.filter_fqns or "
+                           f"--mx.filter_fqns so that they split the layers, e.g. --float8.filter_fqns output "
+                           f"feed_forward --mx.filter_fqns output attention."])
+
+
+def merge_decisions(decisions: list[LayerDecision]) -> list[LayerDecision]:
+    """One decision per linear: the converter that took it, or every converter's reason for skipping it."""
+    by_fqn: dict[str, LayerDecision] = {}
+    for decision in decisions:
+        earlier = by_fqn.get(decision.fqn)
+        if earlier is None or decision.converted:
+            by_fqn[decision.fqn] = decision
+        elif not earlier.converted:
+            by_fqn[decision.fqn] = replace(earlier, result=f"{earlier.result}; {decision.result}")
+    return list(by_fqn.values())
 
 
 def format_report(decisions: list[LayerDecision]) -> str:
@@ -76,12 +139,17 @@ def format_report(decisions: list[LayerDecision]) -> str:
     return "\n".join(lines)
 
 
-def apply_converters(model: nn.Module, converters: list[str], float8: Float8,
+def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx: MX, tp_degree: int,
                      print_after_conversion: bool) -> list[LayerDecision]:
     """Run each converter named in --model.converters on `model` (on the meta device) and log the report."""
+    if "float8" in converters and "mx" in converters:
+        check_disjoint_converters(model, float8, mx, tp_degree)
     decisions: list[LayerDecision] = []
     if "float8" in converters:
         decisions += apply_float8(model, float8)
+    if "mx" in converters:
+        decisions += apply_mx(model, mx, tp_degree)
+    decisions = merge_decisions(decisions)
     if decisions:
         logger.info(f"Model conversion report:\n{format_report(decisions)}")
     if print_after_conversion:

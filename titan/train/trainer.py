@@ -84,7 +84,8 @@ class Trainer:
         with torch.device("meta"):
             self.model = Transformer(self.model_args)
         self.log_model_size()
-        apply_converters(self.model, cfg.model.converters, cfg.float8, cfg.model.print_after_conversion)
+        apply_converters(self.model, cfg.model.converters, cfg.float8, cfg.mx, self.dims.tp,
+                         cfg.model.print_after_conversion)
         if self.float8_all_gather_enabled:
             apply_float8_all_gather(self.model)
         parallelize_llama(self.model, self.dims, self.mesh, cfg.parallelism, cfg.activation_checkpoint, cfg.training,

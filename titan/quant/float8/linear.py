@@ -16,10 +16,11 @@ quantized values are dequantized and multiplied in high precision.
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from titan.quant.float8.casts import E4M3, E5M2, dequantize, rowwise_cast, tensorwise_cast
 from titan.quant.float8.fsdp import weight_float8_tensorwise
+from titan.quant.quantized_linear import QuantizedLinear
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,7 @@ class Float8Matmul(torch.autograd.Function):
         return grad_input, grad_weight, None, None
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(QuantizedLinear):
     """nn.Linear with float8 matmuls; the parameters stay in high precision for the optimizer."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, recipe_name: str, emulate: bool,
@@ -113,27 +114,8 @@ class Float8Linear(nn.Linear):
         self.recipe = RECIPES[recipe_name]
         self.emulate = emulate
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe_name: str, emulate: bool) -> "Float8Linear":
-        """A Float8Linear sharing `linear`'s parameters (works on the meta device)."""
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe_name, emulate)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        return new
-
-    def forward(self, x: Tensor) -> Tensor:
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            # Autocast would not reach inside the autograd.Function: apply its dtype to the input here.
-            x = x.to(torch.get_autocast_dtype(device_type))
-        with torch.autocast(device_type, enabled=False):
-            x_2d = x.reshape(-1, x.shape[-1])  # (tokens, in_features)
-            out = Float8Matmul.apply(x_2d, self.weight, self.recipe, self.emulate)
-            out = out.reshape(*x.shape[:-1], out.shape[-1])  # (..., out_features)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-        return out
+    def matmul(self, x_2d: Tensor) -> Tensor:
+        return Float8Matmul.apply(x_2d, self.weight, self.recipe, self.emulate)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, float8={self.recipe.name}{', emulated' if self.emulate else ''}"

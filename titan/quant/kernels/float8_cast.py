@@ -36,7 +36,7 @@ _EPS = tl.constexpr(EPS)
 
 
 @dataclass(frozen=True)
-class _Float8Format:
+class Float8Format:
     """What the bit-level conversion needs to know about a float8 dtype."""
 
     max: float
@@ -44,18 +44,18 @@ class _Float8Format:
     exponent_bias: int
 
 
-def _float8_format(float8_dtype: torch.dtype) -> _Float8Format:
+def float8_format(float8_dtype: torch.dtype) -> Float8Format:
     if float8_dtype not in (E4M3, E5M2):
         raise ValueError(f"float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 for the Triton casts "
                          f"(got {float8_dtype}); the fnuz variants encode nan and zero differently.")
     finfo = torch.finfo(float8_dtype)
     # eps = 2**-mantissa_bits and smallest_normal = 2**(1 - bias), by definition of both.
-    return _Float8Format(max=finfo.max, mantissa_bits=-round(math.log2(finfo.eps)),
+    return Float8Format(max=finfo.max, mantissa_bits=-round(math.log2(finfo.eps)),
                          exponent_bias=1 - round(math.log2(finfo.smallest_normal)))
 
 
 @triton.jit
-def _abs_bits(x):
+def abs_bits(x):
     """|x| as int32 bits. Integer order is float order for non-negative floats, with nan above inf, so an integer
     max is an amax that keeps nan: fp max drops nan on the GPU (and in the interpreter's tl.max), and a custom
     nan-keeping combine fn would make the interpreter reduce element by element."""
@@ -74,7 +74,7 @@ def _amax_to_scale(amax, FP8_MAX: tl.constexpr, ROUND_TO_POWER_OF_2: tl.constexp
 
 
 @triton.jit
-def _to_float8_bits(x, scale, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, EXPONENT_BIAS: tl.constexpr):
+def to_float8_bits(x, scale, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, EXPONENT_BIAS: tl.constexpr):
     """uint8 codes of saturate(x * scale) rounded to nearest even, as casts.cast_to_float8 computes them."""
     scaled = tl.clamp(x.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     bits = scaled.to(tl.uint32, bitcast=True)
@@ -106,7 +106,7 @@ def _partial_amax_kernel(x_ptr, partial_amax_ptr, numel, BLOCK: tl.constexpr):
     for start in range(pid.to(tl.int64) * BLOCK, numel, step):
         offsets = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0)
-        amax_bits = tl.maximum(amax_bits, _abs_bits(x))
+        amax_bits = tl.maximum(amax_bits, abs_bits(x))
     tl.store(partial_amax_ptr + pid, tl.max(amax_bits, 0).to(tl.float32, bitcast=True))
 
 
@@ -118,14 +118,14 @@ def _tensorwise_cast_kernel(x_ptr, data_ptr, partial_amax_ptr, scale_ptr, numel,
     pid = tl.program_id(0)
     partial_index = tl.arange(0, PARTIALS_BLOCK)
     partials = tl.load(partial_amax_ptr + partial_index, mask=partial_index < num_partials, other=0.0)
-    amax = tl.max(_abs_bits(partials), 0).to(tl.float32, bitcast=True)
+    amax = tl.max(abs_bits(partials), 0).to(tl.float32, bitcast=True)
     scale = _amax_to_scale(amax, FP8_MAX, ROUND_TO_POWER_OF_2)
     if pid == 0:
         tl.store(scale_ptr, scale)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < numel
     x = tl.load(x_ptr + offsets, mask=mask)
-    tl.store(data_ptr + offsets, _to_float8_bits(x, scale, FP8_MAX, MANTISSA_BITS, EXPONENT_BIAS), mask=mask)
+    tl.store(data_ptr + offsets, to_float8_bits(x, scale, FP8_MAX, MANTISSA_BITS, EXPONENT_BIAS), mask=mask)
 
 
 @triton.jit
@@ -147,7 +147,7 @@ def _rowwise_cast_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
         reduced = start + tl.arange(0, BLOCK_REDUCED).to(tl.int64)
         mask = kept_mask[:, None] & (reduced[None, :] < num_reduced)
         x = tl.load(x_lines + reduced[None, :] * x_stride_reduced, mask=mask, other=0.0)
-        amax_bits = tl.maximum(amax_bits, _abs_bits(x))
+        amax_bits = tl.maximum(amax_bits, abs_bits(x))
     amax = tl.max(amax_bits, 1).to(tl.float32, bitcast=True)
     scale = _amax_to_scale(amax, FP8_MAX, ROUND_TO_POWER_OF_2)
     tl.store(scale_ptr + kept, scale, mask=kept_mask)
@@ -155,7 +155,7 @@ def _rowwise_cast_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
         reduced = start + tl.arange(0, BLOCK_REDUCED).to(tl.int64)
         mask = kept_mask[:, None] & (reduced[None, :] < num_reduced)
         x = tl.load(x_lines + reduced[None, :] * x_stride_reduced, mask=mask)
-        codes = _to_float8_bits(x, scale[:, None], FP8_MAX, MANTISSA_BITS, EXPONENT_BIAS)
+        codes = to_float8_bits(x, scale[:, None], FP8_MAX, MANTISSA_BITS, EXPONENT_BIAS)
         tl.store(data_lines + reduced[None, :] * data_stride_reduced, codes, mask=mask)
 
 
@@ -163,7 +163,7 @@ def triton_tensorwise_cast(x: Tensor, float8_dtype: torch.dtype,
                            round_to_power_of_2: bool = False) -> tuple[Tensor, Tensor]:
     """casts.torch_tensorwise_cast in two kernels: partial maxima, then scale and cast. Data keeps x's strides
     when x is dense, as the torch path's elementwise ops do."""
-    fmt = _float8_format(float8_dtype)
+    fmt = float8_format(float8_dtype)
     data = torch.empty_like(x, dtype=float8_dtype)
     if data.stride() != x.stride():
         x = x.contiguous()  # not dense (a slice, an expand): the kernels walk storage linearly, data's layout
@@ -180,16 +180,21 @@ def triton_tensorwise_cast(x: Tensor, float8_dtype: torch.dtype,
     return data, scale
 
 
+def view_2d_along(x: Tensor, dim: int, kernel_name: str) -> tuple[Tensor, bool]:
+    """(x as 2D, whether `dim` is the last): rows of the last dim for dim -1, columns of the first for dim 0. The
+    kernels reduce along one axis of a 2D view, so other dims are an error naming the torch path to use."""
+    along_last = dim % x.ndim == x.ndim - 1
+    if not along_last and dim % x.ndim != 0:
+        raise ValueError(f"{kernel_name} works along the first or the last dim of x (got dim={dim} for shape "
+                         f"{tuple(x.shape)}); use the plain torch path for other dims.")
+    return (x.reshape(-1, x.shape[-1]) if along_last else x.reshape(x.shape[0], -1)), along_last
+
+
 def triton_rowwise_cast(x: Tensor, float8_dtype: torch.dtype, dim: int,
                         round_to_power_of_2: bool = True) -> tuple[Tensor, Tensor]:
     """casts.torch_rowwise_cast in one kernel, for `dim` the first or the last dim of x."""
-    fmt = _float8_format(float8_dtype)
-    reduce_last = dim % x.ndim == x.ndim - 1
-    if not reduce_last and dim % x.ndim != 0:
-        raise ValueError(f"triton_rowwise_cast reduces over the first or the last dim of x (got dim={dim} for "
-                         f"shape {tuple(x.shape)}); use casts.torch_rowwise_cast for other dims.")
-    # (rows, columns): the kernel sees 2D, with rows kept for dim -1 and columns kept for dim 0
-    x_2d = x.reshape(-1, x.shape[-1]) if reduce_last else x.reshape(x.shape[0], -1)
+    fmt = float8_format(float8_dtype)
+    x_2d, reduce_last = view_2d_along(x, dim, "triton_rowwise_cast")
     data_2d = torch.empty_like(x_2d, dtype=float8_dtype)
     kept_axis, (block_kept, block_reduced) = (0, LAST_DIM_TILE) if reduce_last else (1, FIRST_DIM_TILE)
     reduced_axis = 1 - kept_axis

@@ -1,0 +1,132 @@
+"""MXLinear: nn.Linear whose three matmuls run in MXFP8, each operand quantized in blocks of 32 along that matmul's
+contraction dim (OCP MX blocks must run along the dot product).
+
+For y = x @ W^T with x (M, K), W (N, K), grad_output g (M, N):
+  output       x @ W^T   contracts K: x and W in blocks along their rows.
+  grad_input   g @ W     contracts N: g along its rows, W along its columns.
+  grad_weight  g^T @ x   contracts M (tokens): g and x along their columns.
+So the weight and the activations are each quantized twice, once per direction, from the high-precision copies
+that autograd saves (as nn.Linear saves them).
+
+Native: torch._scaled_mm with E8M0 scales on CUDA SM100+ (Blackwell's block-scaled tensor cores, via cuBLAS).
+Emulated (`--mx.emulate`): the same quantized values, dequantized and multiplied in the input's dtype, which holds
+every MXFP8 value exactly (a 4-bit significand times a power of two); for CPU and pre-Blackwell GPUs.
+
+Under tensor parallelism the operands are DTensors; each rank quantizes and multiplies its own shards. That is the
+global quantization because the converter only converts layers whose TP shards hold whole blocks
+(titan/quant/convert.py), so no block spans two ranks.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from titan.quant.float8.casts import E4M3
+from titan.quant.mx.numerics import BLOCK_SIZE, dequantize, quantize_codes
+from titan.quant.quantized_linear import QuantizedLinear
+
+RECIPES = ("mxfp8",)
+"""MX recipes: mxfp8 = E4M3 elements in all three matmuls, blocks of 32, E8M0 scales."""
+
+SCALE_TILE = (128, 4)
+"""cuBLAS's block-scaled GEMMs read scales in tiles of 128 rows x 4 scale columns, each tile 512 contiguous bytes."""
+
+
+def to_blocked(codes: Tensor) -> Tensor:
+    """Scales (rows, K / 32) laid out as cuBLAS's block-scaled GEMMs read them ("1D block scaling factors layout",
+    cuBLAS docs): padded to whole 128 x 4 tiles, tiles in row-major order, and inside a tile the scale of row r and
+    column c at byte (r % 32) * 16 + (r // 32) * 4 + c. Returns the flat uint8 buffer."""
+    rows, cols = codes.shape
+    tile_rows, tile_cols = SCALE_TILE
+    padded = F.pad(codes, (0, -cols % tile_cols, 0, -rows % tile_rows))
+    num_row_tiles, num_col_tiles = padded.shape[0] // tile_rows, padded.shape[1] // tile_cols
+    # row = tile_row * 128 + (r // 32) * 32 + r % 32 and col = tile_col * 4 + c
+    tiles = padded.view(num_row_tiles, 4, 32, num_col_tiles, tile_cols)  # (tile_row, r // 32, r % 32, tile_col, c)
+    return tiles.permute(0, 3, 2, 1, 4).flatten()  # (tile_row, tile_col, r % 32, r // 32, c)
+
+
+def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """a (M, K) @ b (K, N) on block-scaled tensor cores; a's scales (M, K / 32), b's (K / 32, N)."""
+    e8m0 = torch.float8_e8m0fnu
+    a_scales = to_blocked(a_codes).view(e8m0)
+    b_scales = to_blocked(b_codes.t()).view(e8m0)  # cuBLAS reads b as (N, K) rows: scales (N, K / 32)
+    b_column_major = b_data.t().contiguous().t()
+    # Block-scaled cuBLAS GEMMs write bf16; cast afterwards for fp32 training.
+    out = torch._scaled_mm(a_data.contiguous(), b_column_major, a_scales, b_scales, out_dtype=torch.bfloat16)
+    return out.to(out_dtype)
+
+
+def local_mx_mm(a: Tensor, b: Tensor, emulate: bool) -> Tensor:
+    """a (M, K) @ b (K, N) in MXFP8 for plain tensors, output in a's dtype. A contraction dim that is not a
+    multiple of 32 (the tokens of grad_weight) is zero-padded: zeros change no block's amax and add nothing."""
+    pad = -a.shape[1] % BLOCK_SIZE
+    if pad:
+        a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
+    a_codes, a_data = quantize_codes(a, BLOCK_SIZE, E4M3, dim=-1)  # codes (M, K / 32)
+    b_codes, b_data = quantize_codes(b, BLOCK_SIZE, E4M3, dim=0)  # codes (K / 32, N)
+    if emulate:
+        a_values = dequantize(a_codes, a_data, BLOCK_SIZE, a.dtype, dim=-1)
+        b_values = dequantize(b_codes, b_data, BLOCK_SIZE, a.dtype, dim=0)
+        return a_values @ b_values
+    return native_mx_mm(a_codes, a_data, b_codes, b_data, a.dtype)
+
+
+# (a's placement, b's placement) -> the product's, for the layouts of Megatron TP's colwise and rowwise linears
+PRODUCT_PLACEMENTS: dict[tuple[Placement, Placement], Placement] = {
+    (Replicate(), Shard(1)): Shard(1),  # colwise output, rowwise grad_input and grad_weight: split N
+    (Shard(0), Replicate()): Shard(0),  # colwise grad_weight: split rows of g^T
+    (Shard(1), Shard(0)): Partial(),  # rowwise output, colwise grad_input: split K, sum over ranks
+}
+
+
+def mx_mm(a: Tensor, b: Tensor, emulate: bool) -> Tensor:
+    """a (M, K) @ b (K, N) in MXFP8, for plain tensors or DTensors on one TP mesh dim (multiplied shard by shard)."""
+    if not isinstance(a, DTensor):
+        return local_mx_mm(a, b, emulate)
+    # A pending sum (DTensor may hand backward a Partial gradient) must be reduced first: quantization is not linear.
+    a, b = (t.redistribute(placements=[Replicate()]) if t.placements[0].is_partial() else t for t in (a, b))
+    placements = (a.placements[0], b.placements[0])
+    if a.device_mesh.ndim != 1 or placements not in PRODUCT_PLACEMENTS:
+        raise NotImplementedError(f"MX matmul of DTensors placed {placements} on a {a.device_mesh.ndim}-D mesh: "
+                                  f"only the layouts of colwise and rowwise tensor parallelism are supported.")
+    out = local_mx_mm(a.to_local(), b.to_local(), emulate)
+    return DTensor.from_local(out, a.device_mesh, [PRODUCT_PLACEMENTS[placements]], run_check=False)
+
+
+class MXMatmul(torch.autograd.Function):
+    """x (M, K) @ weight (N, K)^T with all three matmuls in MXFP8, re-quantizing the saved high-precision input
+    and weight along each backward matmul's contraction dim."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.emulate = emulate
+        return mx_mm(x, weight.t(), emulate)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight = ctx.saved_tensors
+        grad_input = mx_mm(grad, weight, ctx.emulate)
+        grad_weight = mx_mm(grad.t(), x, ctx.emulate)
+        return grad_input, grad_weight, None
+
+
+class MXLinear(QuantizedLinear):
+    """nn.Linear with MXFP8 matmuls; the parameters stay in high precision for the optimizer."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, recipe_name: str, emulate: bool,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        if recipe_name not in RECIPES:
+            raise ValueError(f"Unknown MX recipe {recipe_name!r}; available: {', '.join(RECIPES)}.")
+        self.recipe_name = recipe_name
+        self.emulate = emulate
+
+    def matmul(self, x_2d: Tensor) -> Tensor:
+        # In the input's dtype, as the native kernels multiply (autocast's bf16 x with an fp32 weight); autograd
+        # casts the weight's gradient back.
+        return MXMatmul.apply(x_2d, self.weight.to(x_2d.dtype), self.emulate)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mx={self.recipe_name}{', emulated' if self.emulate else ''}"

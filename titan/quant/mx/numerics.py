@@ -1,0 +1,126 @@
+"""MX block quantization per the OCP Microscaling Formats (MX) Specification v1.0.
+
+A block of `block_size` (32) consecutive elements along one dim shares an E8M0 scale X = 2**(code - 127)
+(code 0xFF is NaN); each element is stored as P = V / X in the element type (E4M3 for MXFP8, or E5M2).
+
+Conversion (spec section 6.3): shared_exp = floor(log2(amax of the block)) - emax_elem, clamped to E8M0's
+[-127, 127], where emax_elem is the element type's largest normal exponent (8 for E4M3, 15 for E5M2); then every
+element is V / X rounded to the element type, to nearest with ties to even, saturating to +-max.
+
+Rounding choice: the scale exponent is rounded down (the spec's floor). The block's amax then lands in
+[2**emax_elem, 2**(emax_elem + 1)) after scaling, so for E4M3 an amax in (448, 512) * X saturates to 448 * X: up
+to 12.5% error on the block's largest element, in exchange for a scale that no element can overflow by more than
+one binade and that matches what MX hardware and torchao's default ("floor") compute.
+
+Special values:
+  - an all-zero block (or one whose amax is below 2**(emax_elem - 127)) takes the smallest scale, 2**-127 (code 0);
+  - a block holding a NaN or an infinity gets the NaN scale 0xFF, so every value of it dequantizes to NaN. E4M3
+    cannot represent inf, and a saturated block would read back as finite garbage; NaN lets the trainer's NaN stop
+    see it (as the float8 casts do). Such a block's elements are NaN too;
+  - subnormal inputs are exact after scaling (multiplying by a power of two), and elements below the element
+    type's smallest subnormal round to zero, as any conversion does.
+
+These plain torch ops run everywhere (CPU, CUDA, DTensor shards, under torch.compile); on eager CUDA `quantize`
+calls the fused Triton kernel of titan/quant/kernels/mx_quantize.py, which reproduces them bit for bit.
+"""
+
+import torch
+from torch import Tensor
+
+from titan.quant.float8.casts import E4M3, E5M2, cast_to_float8, use_triton
+
+BLOCK_SIZE = 32
+"""Elements per shared scale: the MX spec's block size k for every concrete MX format."""
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+ELEMENT_DTYPES = (E4M3, E5M2)
+
+_FP32_MANTISSA_BITS = 23
+_FP32_ABS_MASK = 0x7FFFFFFF
+_FP32_INF_BITS = 0x7F800000
+_FP32_NAN_BITS = 0x7FC00000
+_FP32_TWO_POW_MINUS_127_BITS = 0x00400000  # 2**-127: the one E8M0 value that is an fp32 subnormal
+
+
+def max_exponent(elem_dtype: torch.dtype) -> int:
+    """emax_elem: the exponent of the element type's largest normal value (8 for E4M3, 15 for E5M2)."""
+    if elem_dtype not in ELEMENT_DTYPES:
+        raise ValueError(f"MX elements must be torch.float8_e4m3fn or torch.float8_e5m2 (got {elem_dtype}).")
+    return int(torch.finfo(elem_dtype).max).bit_length() - 1  # 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15
+
+
+def scale_codes(amax: Tensor, elem_dtype: torch.dtype) -> Tensor:
+    """E8M0 codes (int32, 0..255) of the blocks whose fp32 amaxes are `amax`.
+
+    floor(log2(amax)) + 127 is the biased exponent field of the fp32 amax for normal amaxes; for subnormal ones the
+    field is 0 while the true exponent is lower, and both clamp to code 0, so the field is exact wherever it counts.
+    """
+    amax_bits = amax.float().view(torch.int32) & _FP32_ABS_MASK
+    biased_exponent = amax_bits >> _FP32_MANTISSA_BITS
+    codes = torch.clamp(biased_exponent - max_exponent(elem_dtype), min=0)
+    return torch.where(amax_bits >= _FP32_INF_BITS, E8M0_NAN, codes)
+
+
+def scale_values(codes: Tensor) -> Tensor:
+    """X = 2**(code - 127) in fp32 for integer E8M0 codes, built from bits so it is exact (2**-127 included)."""
+    codes = codes.to(torch.int32)
+    bits = torch.where(codes == 0, _FP32_TWO_POW_MINUS_127_BITS, codes << _FP32_MANTISSA_BITS)
+    return torch.where(codes == E8M0_NAN, _FP32_NAN_BITS, bits).view(torch.float32)
+
+
+def inverse_scale_values(codes: Tensor) -> Tensor:
+    """1 / X = 2**(127 - code) in fp32, NaN for the NaN code. Finite blocks have code <= 254 - emax_elem (the amax
+    is at most fp32 max, biased exponent 254), so 254 - code is a normal exponent field and the value is exact."""
+    codes = codes.to(torch.int32)
+    bits = torch.clamp(254 - codes, min=0) << _FP32_MANTISSA_BITS
+    return torch.where(codes == E8M0_NAN, _FP32_NAN_BITS, bits).view(torch.float32)
+
+
+def torch_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int) -> tuple[Tensor, Tensor]:
+    """(uint8 scale codes, data) in plain torch ops, blocks along `dim`. Data has x's shape; the codes have x's
+    shape with `dim` divided by block_size."""
+    x_fp32 = x.float().movedim(dim, -1)
+    blocks = x_fp32.unflatten(-1, (-1, block_size))  # (..., num_blocks, block_size)
+    codes = scale_codes(blocks.abs().amax(dim=-1, keepdim=True), elem_dtype)  # (..., num_blocks, 1)
+    data = cast_to_float8(blocks, elem_dtype, inverse_scale_values(codes))
+    data = data.flatten(-2).movedim(-1, dim)  # x's shape
+    return codes.squeeze(-1).movedim(-1, dim).to(torch.uint8), data
+
+
+def check_blocks(x: Tensor, block_size: int, dim: int) -> None:
+    if x.shape[dim] % block_size:
+        raise ValueError(f"MX quantization needs dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) to be "
+                         f"a multiple of block_size {block_size}; pad it or use a dim that is.")
+
+
+def quantize(x: Tensor, block_size: int = BLOCK_SIZE, elem_dtype: torch.dtype = E4M3,
+             dim: int = -1) -> tuple[Tensor, Tensor]:
+    """(scales, data): x in MX blocks of `block_size` elements along `dim` (the last by default).
+
+    scales are torch.float8_e8m0fnu with x's shape except dim, which is divided by block_size; data is `elem_dtype`
+    with x's shape. dequantize(scales, data, ...) gives back the values they stand for.
+    """
+    check_blocks(x, block_size, dim)
+    codes, data = quantize_codes(x, block_size, elem_dtype, dim)
+    return codes.view(torch.float8_e8m0fnu), data
+
+
+def quantize_codes(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int) -> tuple[Tensor, Tensor]:
+    """quantize with uint8 codes: the fused Triton kernel on a plain eager CUDA tensor (the float8 casts' rule,
+    titan/quant/float8/casts.py use_triton), torch ops elsewhere."""
+    max_exponent(elem_dtype)  # validates elem_dtype on both paths
+    if use_triton(x) and dim % x.ndim in (0, x.ndim - 1):
+        # Imported on first use so that this module imports where triton does not (CPU-only installs, macOS).
+        from titan.quant.kernels.mx_quantize import triton_quantize
+
+        return triton_quantize(x, block_size, elem_dtype, dim)
+    return torch_quantize(x, block_size, elem_dtype, dim)
+
+
+def dequantize(scales: Tensor, data: Tensor, block_size: int = BLOCK_SIZE, out_dtype: torch.dtype = torch.float32,
+               dim: int = -1) -> Tensor:
+    """The values MX blocks stand for, data * X, as `out_dtype`. `scales` may be float8_e8m0fnu or uint8 codes."""
+    codes = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
+    blocks = data.float().movedim(dim, -1).unflatten(-1, (-1, block_size))  # (..., num_blocks, block_size)
+    block_scales = scale_values(codes).movedim(dim, -1).unsqueeze(-1)  # (..., num_blocks, 1)
+    return (blocks * block_scales).flatten(-2).movedim(-1, dim).to(out_dtype)
