@@ -14,12 +14,19 @@ one GPU each on CUDA machines):
 
     python scripts/benchmark.py --fsdp-memory 1 2 4
 
+Time training is blocked per checkpoint save, synchronous vs asynchronous (and pinned memory on CUDA), next to
+the time of one copy of the training state to host memory, the floor an async save can reach:
+
+    python scripts/benchmark.py --checkpoint
+
 Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
 import argparse
 import contextlib
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -136,6 +143,53 @@ def fsdp_memory_table(args: argparse.Namespace) -> None:
         print(f"{ranks:>5} {params_mib:15.2f} {states_mib:15.2f} {params_mib + states_mib:15.2f} {float(tps):14,.0f}")
 
 
+def state_bytes_and_copy_seconds(trainer: Trainer) -> tuple[int, float]:
+    """Bytes of this rank's model + optimizer state, and the seconds to copy them to (unpinned) host memory."""
+    state = trainer.checkpointer.training_state(trainer.train_state())
+    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state)]
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    copies = [t.to("cpu", copy=True) for t in tensors]
+    synchronize(trainer.device)
+    seconds = time.perf_counter() - start
+    return sum(c.numel() * c.element_size() for c in copies), seconds
+
+
+def _tensors(state: object) -> list[torch.Tensor]:
+    if torch.is_tensor(state):
+        return [state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in _tensors(value)]
+    return []
+
+
+def checkpoint_table(argv: list[str], repeats: int) -> None:
+    """For each async mode: median seconds the training loop is blocked by save(), and until the files are done."""
+    modes = ["disabled", "async"] + (["async_with_pinned_mem"] if torch.cuda.is_available() else [])
+    print(f"{'async_mode':<22} {'blocked ms':>11} {'written ms':>11} {'state MiB':>10} {'host copy ms':>13}")
+    for mode in modes:
+        folder = Path("/tmp/titan_benchmark_checkpoint") / mode
+        shutil.rmtree(folder, ignore_errors=True)
+        trainer = Trainer(load_job_config([*argv, "--job.dump_folder", str(folder), "--checkpoint.enable",
+                                           "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2"],
+                                          world_size=1), world_size=1)
+        data_iterator = iter(trainer.dataloader)
+        blocked, written = [], []
+        for _ in range(repeats):
+            trainer.step += 1
+            trainer.train_step(data_iterator)
+            synchronize(trainer.device)
+            start = time.perf_counter()
+            trainer.checkpointer.save(trainer.train_state(), last_step=trainer.cfg.training.steps)
+            blocked.append(time.perf_counter() - start)
+            trainer.checkpointer.wait()
+            written.append(time.perf_counter() - start)
+        state_bytes, copy_seconds = state_bytes_and_copy_seconds(trainer)
+        trainer.checkpointer.close()
+        print(f"{mode:<22} {statistics.median(blocked) * 1e3:11.1f} {statistics.median(written) * 1e3:11.1f} "
+              f"{state_bytes / 2**20:10.1f} {copy_seconds * 1e3:13.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per loop")
@@ -144,6 +198,7 @@ def main() -> None:
     parser.add_argument("--fsdp-memory", type=int, nargs="+", metavar="N",
                         help="bytes and tokens/s per rank with FSDP over each N processes")
     parser.add_argument("--rank-memory", action="store_true", help=argparse.SUPPRESS)  # the --fsdp-memory worker
+    parser.add_argument("--checkpoint", action="store_true", help="time blocked per checkpoint save, sync vs async")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     init_logger()
@@ -154,6 +209,9 @@ def main() -> None:
         return
     if args.rank_memory:
         measure_rank_memory(args, argv)
+        return
+    if args.checkpoint:
+        checkpoint_table(argv, max(args.repeats, 3))
         return
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     t = trainer.cfg.training

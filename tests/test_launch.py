@@ -2,20 +2,13 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from train_script import losses_of, run_train
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, "PYTHON": sys.executable, **(env or {})}
-    return subprocess.run([str(ROOT / "run_train.sh"), *args], capture_output=True, text=True, env=full_env,
-                          timeout=600)
 
 
 def test_run_train_sh_trains_and_writes_metrics(tmp_path: Path) -> None:
@@ -67,10 +60,6 @@ def test_help_lists_fields() -> None:
     result = run_train("--help")
     assert result.returncode == 0
     assert "--training.local_batch_size" in result.stdout and "Peak learning rate" in result.stdout
-
-
-def losses_of(folder: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
 SHORT = ["--training.steps", "5", "--training.seq_len", "64", "--metrics.log_freq", "1"]

@@ -191,6 +191,43 @@ class Float8:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints every --checkpoint.interval steps and at the last step, and resume from the latest
+    complete one in --checkpoint.folder when the run starts."""
+    folder: str = "checkpoint"
+    """Folder for checkpoints, under --job.dump_folder; each step is a subfolder step-<N>."""
+    interval: int = 500
+    """Steps between checkpoints."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled: training waits for the whole save. async: training waits only while the state is copied to host
+    memory; files are written in a background thread. async_with_pinned_mem: the same copy into pinned host
+    memory (faster device-to-host copies; CUDA only)."""
+    keep_latest_k: int = 10
+    """Keep the newest k complete checkpoints and delete older ones. 0: keep all."""
+    load_step: int = -1
+    """Step to resume from. -1: the latest complete checkpoint in --checkpoint.folder."""
+    initial_load_path: str | None = None
+    """Checkpoint to start from when --checkpoint.folder holds none yet (a step folder of another run, a seed
+    checkpoint, or with --checkpoint.initial_load_in_hf a Hugging Face safetensors folder)."""
+    initial_load_model_only: bool = True
+    """From --checkpoint.initial_load_path load the weights only (a fresh optimizer, schedule and data order)."""
+    initial_load_in_hf: bool = False
+    """--checkpoint.initial_load_path is a Hugging Face Llama folder (config.json + safetensors)."""
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
+    train_state, rng (e.g. `dataloader` to restart the data with a new dataset)."""
+    last_save_model_only: bool = False
+    """Make the checkpoint of the last step a weights-only export in --checkpoint.export_dtype (smaller, but a
+    run cannot be extended from it)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights in a --checkpoint.last_save_model_only export."""
+    create_seed_checkpoint: bool = False
+    """Initialise the model on one process, save it as step 0 and exit; later runs at any scale with this
+    --checkpoint.folder start from exactly these weights."""
+
+
+@dataclass
 class MX:
     recipe_name: Literal["mxfp8"] = "mxfp8"
     """MX recipe: mxfp8 = E4M3 elements in blocks of 32 sharing one E8M0 (power-of-two) scale, in all three
@@ -224,4 +261,5 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     mx: MX = field(default_factory=MX)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)

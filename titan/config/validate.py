@@ -5,6 +5,7 @@ single ConfigError listing every problem, so a user fixes them in one go.
 """
 
 import glob
+import os
 from collections.abc import Callable
 
 import torch
@@ -24,8 +25,9 @@ MX_MIN_CAPABILITY = (10, 0)
 POSITIVE_FIELDS = (
     ("training", "steps"), ("training", "local_batch_size"), ("training", "seq_len"),
     ("metrics", "log_freq"), ("profiling", "profile_freq"), ("model", "vocab_size_multiple_of"),
-    ("comm", "init_timeout_seconds"), ("comm", "train_timeout_seconds"),
+    ("comm", "init_timeout_seconds"), ("comm", "train_timeout_seconds"), ("checkpoint", "interval"),
 )
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
 def check_positive(cfg: JobConfig) -> list[str]:
@@ -216,6 +218,32 @@ def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
             f"run the same MX quantization with high-precision matmuls (correct numerics, no speed-up).")
 
 
+def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
+    ckpt = cfg.checkpoint
+    problems = []
+    if ckpt.keep_latest_k < 0:
+        problems.append(f"--checkpoint.keep_latest_k {ckpt.keep_latest_k} must be 0 (keep all) or a positive count.")
+    if ckpt.load_step < -1:
+        problems.append(f"--checkpoint.load_step {ckpt.load_step} must be a step number or -1 (the latest).")
+    unknown = [part for part in ckpt.exclude_from_loading if part not in CHECKPOINT_PARTS]
+    if unknown:
+        problems.append(f"--checkpoint.exclude_from_loading has unknown part(s) {', '.join(map(repr, unknown))}. "
+                        f"Parts: {', '.join(CHECKPOINT_PARTS)}.")
+    if ckpt.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
+        problems.append("--checkpoint.async_mode async_with_pinned_mem copies device tensors into pinned host memory, "
+                        "which needs CUDA GPUs. Use --checkpoint.async_mode async on this machine.")
+    if ckpt.create_seed_checkpoint and (world_size != 1 or not ckpt.enable):
+        problems.append(f"--checkpoint.create_seed_checkpoint writes the initial weights from one process into "
+                        f"--checkpoint.folder: run it with --checkpoint.enable and NGPU=1 (world size is {world_size}).")
+    if ckpt.initial_load_in_hf and ckpt.initial_load_path is None:
+        problems.append("--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path, the Hugging Face folder "
+                        "to load.")
+    if ckpt.initial_load_path is not None and not os.path.isdir(ckpt.initial_load_path):
+        problems.append(f"--checkpoint.initial_load_path {ckpt.initial_load_path!r} is not a folder. Give a checkpoint "
+                        f"step folder (e.g. outputs/checkpoint/step-1000) or a Hugging Face model folder.")
+    return problems
+
+
 def largest_divisor_at_most(size: int, limit: int) -> int:
     return max(d for d in range(1, limit + 1) if size % d == 0)
 
@@ -229,7 +257,7 @@ RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
     check_seq_len, check_global_batch, check_converters, check_tokenizer_path, check_dataset_path,
     check_lr_schedule, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware, check_mx_hardware,
+    check_float8_hardware, check_mx_hardware, check_checkpoint,
 )
 
 

@@ -11,6 +11,7 @@ import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from titan.checkpoint.dcp import Checkpointer, TrainState
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig, Model
 from titan.config.load import to_toml
@@ -99,13 +100,17 @@ class Trainer:
         dp_rank, dp_degree = data_parallel_rank(self.mesh)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
         self.grad_accumulation_steps = self.count_accumulation_steps()
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
+                                         self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree)
+        resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.flops_per_token = flops_per_token(self.model_args, num_params(self.model, exclude_embedding=True),
                                                cfg.training.seq_len)
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
         self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
         self.hints = stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm)
-        self.step = 0
+        self.step = resumed.step
+        self.tokens_seen = resumed.tokens_seen
         self.last_finite_loss: float | None = None
         self.current_lr = cfg.optimizer.lr
 
@@ -232,19 +237,30 @@ class Trainer:
     def should_log(self) -> bool:
         return self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.training.steps
 
+    def train_state(self) -> TrainState:
+        return TrainState(step=self.step, tokens_seen=self.tokens_seen, dp_degree=self.dims.dp_degree,
+                          world_size=self.dims.world_size)
+
     def run(self) -> None:
-        """Train for --training.steps steps, logging every --metrics.log_freq."""
+        """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
+        --checkpoint.interval (and at the last step)."""
+        if self.cfg.checkpoint.create_seed_checkpoint:
+            self.checkpointer.save_seed()
+            return
         total = self.cfg.training.steps
         logger.info(f"Training {total} steps on {self.device}, {self.cfg.training.local_batch_size} x "
                     f"{self.cfg.training.seq_len} tokens per micro-batch; writing to {self.dump_folder}")
         data_iterator = iter(self.dataloader)
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
-        last_logged = 0
+        last_logged = self.step
+        global_tokens_per_step = (self.cfg.training.local_batch_size * self.cfg.training.seq_len
+                                  * self.grad_accumulation_steps * self.dims.dp_degree)
         with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler:
             try:
                 while self.step < total:
                     self.step += 1
                     loss, grad_norm = self.train_step(data_iterator)
+                    self.tokens_seen += global_tokens_per_step
                     if self.step == 1:
                         set_train_timeout(self.cfg.comm)
                     if self.should_log():
@@ -254,7 +270,11 @@ class Trainer:
                         profiler.step()
                     if snapshotter is not None:
                         snapshotter.step(self.step)
+                    self.checkpointer.poll()
+                    if self.checkpointer.should_save(self.step, total):
+                        self.checkpointer.save(self.train_state(), last_step=total)
             finally:
+                self.checkpointer.close()
                 for sink in self.sinks:
                     sink.close()
         logger.info(f"Training finished after {self.step} steps.")

@@ -1,0 +1,51 @@
+"""Import a Hugging Face LlamaForCausalLM folder as a Titan weights-only DCP checkpoint.
+
+    python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b_dcp -- --model.flavor 8B \\
+        --model.tokenizer_path Llama-3.1-8B/original/tokenizer.model
+    ./run_train.sh --model.flavor 8B --checkpoint.initial_load_path llama31_8b_dcp ...
+
+Reads model.safetensors or the shards in model.safetensors.index.json, checks config.json (when present)
+against the Titan flavor, undoes the rotate-half RoPE layout of q_proj/k_proj, pads the embedding and output
+to the padded vocab with zero rows, and saves {"model": state_dict} in float32 with torch.distributed.checkpoint.
+Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_path and
+--model.vocab_size_multiple_of matter.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from checkpoint_common import (
+    TITAN_FLAGS_HELP,
+    check_new_folder,
+    parse_model_shape,
+    parse_with_titan_flags,
+    run_script,
+)
+
+from titan.checkpoint.dcp import save_model_weights
+from titan.checkpoint.hf import load_hf_weights
+from titan.metrics.log import logger
+
+
+def parse_cli() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("hf_folder", type=Path, help="Hugging Face folder with config.json and safetensors files")
+    parser.add_argument("output_folder", type=Path, help="new folder for the DCP checkpoint")
+    return parse_with_titan_flags(parser)
+
+
+def main() -> None:
+    cli, titan_flags = parse_cli()
+    check_new_folder(cli.output_folder, "output_folder")
+    model_cfg, args, tokenizer = parse_model_shape(titan_flags)
+    # Titan keeps float32 weights (bf16 is a compute dtype), so a bf16 download is widened once here.
+    state_dict = {fqn: tensor.to(torch.float32) for fqn, tensor in load_hf_weights(cli.hf_folder, args).items()}
+    save_model_weights(state_dict, cli.output_folder)
+    logger.info(f"Wrote {len(state_dict)} float32 tensors of {model_cfg.flavor} from {cli.hf_folder} to "
+                f"{cli.output_folder}; start a run from it with --checkpoint.initial_load_path {cli.output_folder}.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))

@@ -1,0 +1,67 @@
+"""Export a Titan DCP checkpoint as a Hugging Face LlamaForCausalLM folder (safetensors + config.json).
+
+    python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-100 hf_debug
+    python scripts/convert_to_hf.py <dump_folder>/checkpoint/step-5000 hf_8b --dtype bfloat16 -- \\
+        --job.config_file <dump_folder>/config.toml
+
+Reads only the model tensors of the step folder (a full checkpoint or a weights-only one) on one process.
+Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_path and
+--model.vocab_size_multiple_of matter. The folder loads with transformers'
+LlamaForCausalLM.from_pretrained(folder); add the tokenizer files yourself.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from checkpoint_common import (
+    TITAN_FLAGS_HELP,
+    check_new_folder,
+    parse_model_shape,
+    parse_with_titan_flags,
+    run_script,
+)
+
+from titan.checkpoint.dcp import read_model_weights
+from titan.checkpoint.hf import (
+    HF_CONFIG_FILE,
+    hf_config,
+    to_hf_state_dict,
+)
+from titan.checkpoint.safetensors import save_folder
+from titan.config.dtypes import DTYPES
+from titan.metrics.log import logger
+
+# transformers' save_pretrained default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+def parse_cli() -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("step_folder", type=Path, help="Titan DCP step folder, e.g. <dump_folder>/checkpoint/step-20")
+    parser.add_argument("output_folder", type=Path, help="new folder for the Hugging Face files")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                        help="dtype of the exported weights (default: bfloat16, as Meta publishes Llama 3)")
+    parser.add_argument("--max_shard_bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES,
+                        help="largest safetensors file; more weights than this are split into shards listed "
+                             "in model.safetensors.index.json (default: 5e9, transformers' default)")
+    return parse_with_titan_flags(parser)
+
+
+def main() -> None:
+    cli, titan_flags = parse_cli()
+    check_new_folder(cli.output_folder, "output_folder")
+    model_cfg, args, tokenizer = parse_model_shape(titan_flags)
+    dtype = DTYPES[cli.dtype]
+    weights = read_model_weights(cli.step_folder)
+    hf = {name: tensor.to(dtype) for name, tensor in to_hf_state_dict(weights, args).items()}
+    files = save_folder(hf, cli.output_folder, cli.max_shard_bytes)
+    config = hf_config(args, dtype, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    (cli.output_folder / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    logger.info(f"Wrote {len(hf)} {cli.dtype} tensors of {model_cfg.flavor} from {cli.step_folder} to "
+                f"{cli.output_folder}: {', '.join(f.name for f in files)} and {HF_CONFIG_FILE}.")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_script(main))

@@ -1,0 +1,277 @@
+"""Checkpoints on real files and real processes: exact resume (one process and FSDP=2), kill safety during an
+async save, keep_latest_k, resharding across layouts, weights-only exports and seeds, and the errors a user sees."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from train_script import ROOT, losses_by_step, run_train
+
+STEPS = 20
+# fp32, short sequences, a log record every step: bit-exact comparisons on CPU in seconds
+BASE = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+
+
+def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedProcess:
+    result = run_train(*BASE, "--job.dump_folder", str(folder), *flags, env={"NGPU": str(nprocs)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def resume_from_step_10(straight: Path, resumed: Path) -> None:
+    """A copy of the straight run's folder as it was after step 10: its step-10 checkpoint was written mid-run,
+    as a killed run would have left it; later checkpoints and later metrics are dropped."""
+    shutil.copytree(straight, resumed)
+    shutil.rmtree(resumed / "checkpoint" / f"step-{STEPS}")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()[:10]
+    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("nprocs, flags", [
+    (1, []),
+    (1, ["--checkpoint.async_mode", "async"]),
+    (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+], ids=["one-process", "one-process-async", "fsdp2"])
+def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> None:
+    """20 steps straight vs 10 + resume + 10: identical per-step losses, so weights, optimizer, schedule, data
+    order and RNG all came back (async: the background write saved step 10's state, not a later one)."""
+    straight = tmp_path / "straight"
+    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=nprocs)
+    resumed = tmp_path / "resumed"
+    resume_from_step_10(straight, resumed)
+    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=nprocs)
+    assert "checkpoint/step-10: step 10" in result.stdout
+    want, got = losses_by_step(straight), losses_by_step(resumed)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant, as a node failure would: torchrun starts its workers in their own
+    sessions, so killing the launcher's process group alone would leave the worker training."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    stack, tree = [pid], []
+    while stack:
+        tree.append(stack.pop())
+        stack.extend(children.get(tree[-1], []))
+    for member in reversed(tree):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_killed_during_async_save_resumes_from_last_complete(tmp_path: Path) -> None:
+    """SIGKILL while a background save is writing: the half-written folder is never loaded; the rerun (the same
+    command) resumes from the newest complete step, warns about the partial one, deletes it, and logs the losses
+    of an uninterrupted run."""
+    folder = tmp_path / "run"
+    flags = ["--training.steps", str(STEPS), "--checkpoint.enable", "--checkpoint.interval", "2",
+             "--checkpoint.async_mode", "async"]
+    command = [str(ROOT / "run_train.sh"), *BASE, "--job.dump_folder", str(folder), *flags]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHON": sys.executable})
+    checkpoints = folder / "checkpoint"
+    killed_during = None
+    deadline = time.monotonic() + 300
+    try:
+        while killed_during is None and time.monotonic() < deadline and process.poll() is None:
+            partial = [p for p in checkpoints.glob("step-*.partial")] if checkpoints.is_dir() else []
+            if partial and any(checkpoints.glob("step-*[0-9]")):
+                kill_tree(process.pid)
+                killed_during = partial[0]
+            time.sleep(0.002)
+    finally:
+        if process.poll() is None:
+            kill_tree(process.pid)
+        process.wait()
+    assert killed_during is not None, "never saw a save in progress"
+    time.sleep(1)  # nothing may write after the kill
+    assert killed_during.is_dir()
+    complete = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*[0-9]"))
+    assert complete, "a complete checkpoint exists before the killed save"
+    last = complete[-1]
+    result = train(folder, *flags)
+    assert "Ignoring incomplete checkpoint" in result.stdout
+    assert f"step-{last}: step {last}" in result.stdout
+    assert f"Training finished after {STEPS} steps" in result.stdout
+    assert not list(checkpoints.glob("*.partial"))
+    assert (checkpoints / f"step-{STEPS}" / ".metadata").is_file()
+    straight = tmp_path / "straight"
+    train(straight, "--training.steps", str(STEPS))
+    want, got = losses_by_step(straight), losses_by_step(folder)
+    assert [got[s] for s in range(last + 1, STEPS + 1)] == [want[s] for s in range(last + 1, STEPS + 1)]
+
+
+def test_keep_latest_k(tmp_path: Path) -> None:
+    train(tmp_path, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
+          "--checkpoint.keep_latest_k", "2")
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-6", "step-8"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-process FSDP run's checkpoint at step 4 (and its continuation to step 6 for reference)."""
+    folder = tmp_path_factory.mktemp("fsdp2")
+    train(folder, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "4",
+          "--parallelism.data_parallel_shard_degree", "2", nprocs=2)
+    return folder
+
+
+def full_weights(step_folder: Path) -> dict[str, torch.Tensor]:
+    from titan.checkpoint.dcp import read_model_weights
+
+    return read_model_weights(step_folder)
+
+
+@pytest.mark.parametrize("nprocs, flags", [
+    (1, []),
+    (2, ["--parallelism.tensor_parallel_degree", "2"]),
+    (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+], ids=["one-process", "tp2", "fsdp2xtp2"])
+def test_resharded_load(tmp_path: Path, fsdp2_checkpoint: Path, nprocs: int, flags: list[str]) -> None:
+    """Saved with FSDP=2, loaded by another layout: the loaded weights are the saved ones (the next save, at the
+    step it resumed from with no training in between, holds the same tensors), and training continues."""
+    folder = tmp_path / "run"
+    (folder / "checkpoint").mkdir(parents=True)
+    shutil.copytree(fsdp2_checkpoint / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
+    result = train(folder, "--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "100",
+                   "--checkpoint.exclude_from_loading", "dataloader", *flags, nprocs=nprocs)
+    assert "checkpoint/step-4: step 4" in result.stdout
+    assert "Training finished after 5 steps" in result.stdout
+    saved, continued = full_weights(folder / "checkpoint" / "step-4"), full_weights(folder / "checkpoint" / "step-5")
+    assert saved.keys() == continued.keys()
+    moved = [fqn for fqn in saved if not torch.equal(saved[fqn], continued[fqn])]
+    assert moved, "step 5 trained from the loaded weights"
+    # one step of Adam at lr <= 2e-3 moves each weight by at most ~lr: the start point was the saved weights
+    for fqn, tensor in saved.items():
+        assert (continued[fqn] - tensor).abs().max() < 5e-3, fqn
+
+
+def test_model_shape_mismatch_names_parameters(tmp_path: Path) -> None:
+    train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
+    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable",
+                       "--model.vocab_size_multiple_of", "512")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "was saved from a different model: tok_embeddings.weight is (2304, 256) in the checkpoint but " \
+           "(2560, 256) in the model; output.weight is (2304, 256) in the checkpoint but (2560, 256)" in output
+    assert "--model.flavor" in output and "Traceback" not in output
+
+
+def test_corrupt_checkpoint_names_the_folder(tmp_path: Path) -> None:
+    train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
+    step = tmp_path / "checkpoint" / "step-2"
+    data = next(step.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable")
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert f"Checkpoint {step} could not be read" in output and "Traceback" not in output
+    (step / ".metadata").unlink()
+    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable")
+    assert result.returncode == 2 and f"Checkpoint {step} has no readable metadata" in result.stdout
+
+
+def test_nonfinite_loss_is_never_saved(tmp_path: Path) -> None:
+    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "20", "--optimizer.lr", "1e30",
+                       "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable", "--checkpoint.interval", "1")
+    assert result.returncode == 3, result.stdout + result.stderr
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").glob("step-*"))
+    stopped_at = max(losses_by_step(tmp_path)) + 1  # the NaN step logs nothing
+    assert all(step < stopped_at for step in steps), (steps, stopped_at)
+
+
+def test_seed_checkpoint_starts_every_layout_identically(tmp_path: Path) -> None:
+    seed = tmp_path / "seed"
+    result = train(seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.seed", "7")
+    assert "Wrote the seed checkpoint" in result.stdout and "step     1" not in result.stdout
+    from titan.checkpoint.dcp import read_model_weights
+
+    seed_weights = read_model_weights(seed / "checkpoint" / "step-0")
+    metadata = dcp.FileSystemReader(str(seed / "checkpoint" / "step-0")).read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in metadata} == {"model"}
+    # a differently seeded FSDP=2 run starting from the seed: its step-1 loss is the seed run's
+    run = tmp_path / "from_seed"
+    (run / "checkpoint").mkdir(parents=True)
+    shutil.copytree(seed / "checkpoint" / "step-0", run / "checkpoint" / "step-0")
+    train(run, "--training.steps", "1", "--checkpoint.enable", "--parallelism.data_parallel_shard_degree", "2",
+          nprocs=2)
+    reference = tmp_path / "reference"
+    train(reference, "--training.steps", "1", "--training.seed", "7", "--parallelism.data_parallel_shard_degree", "2",
+          nprocs=2)
+    assert losses_by_step(run)[1] == pytest.approx(losses_by_step(reference)[1], rel=1e-6)
+    assert seed_weights["output.weight"].shape == (2304, 256)
+
+
+def test_last_save_model_only_exports_weights_in_dtype(tmp_path: Path) -> None:
+    train(tmp_path, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2",
+          "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    reader = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-3"))
+    metadata = reader.read_metadata().state_dict_metadata
+    assert {key.split(".")[0] for key in metadata} == {"model"}
+    assert metadata["model.output.weight"].properties.dtype == torch.bfloat16
+    full = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    assert "optimizer" in {key.split(".")[0] for key in full}
+
+
+def test_initial_load_path_starts_from_other_weights(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    train(source, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
+    run = tmp_path / "run"
+    result = train(run, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.initial_load_path",
+                   str(source / "checkpoint" / "step-4"))
+    assert "model restored; not restored: dataloader, lr_scheduler, optimizer, rng, train_state" in result.stdout
+    losses = losses_by_step(run)
+    assert sorted(losses) == [1, 2]  # a fresh schedule and step count, from the trained weights
+    assert losses[1] < losses_by_step(source)[1] - 0.1
+
+
+def test_checkpoint_config_errors() -> None:
+    from titan.config.check import load_job_config
+    from titan.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as error:
+        load_job_config(["--checkpoint.create_seed_checkpoint", "--checkpoint.exclude_from_loading", "optimiser",
+                         "--checkpoint.initial_load_path", "/nonexistent/step-3", "--checkpoint.keep_latest_k", "-1"],
+                        world_size=2)
+    message = str(error.value)
+    for field in ("--checkpoint.create_seed_checkpoint", "--checkpoint.exclude_from_loading has unknown part(s) "
+                  "'optimiser'", "--checkpoint.initial_load_path '/nonexistent/step-3' is not a folder",
+                  "--checkpoint.keep_latest_k -1"):
+        assert field in message
+
+
+def test_initial_load_from_hugging_face_safetensors(tmp_path: Path) -> None:
+    """Export a trained step to HF safetensors (float32) and start a run from it with initial_load_in_hf: the
+    first loss equals a run started from the DCP step folder itself."""
+    source = tmp_path / "source"
+    train(source, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
+    hf_folder = tmp_path / "hf"
+    export = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_to_hf.py"),
+                             str(source / "checkpoint" / "step-4"), str(hf_folder), "--dtype", "float32"],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stdout + export.stderr
+    from_hf, from_dcp = tmp_path / "from_hf", tmp_path / "from_dcp"
+    result = train(from_hf, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+                   "--checkpoint.initial_load_path", str(hf_folder))
+    assert "Loaded Hugging Face weights" in result.stdout
+    train(from_dcp, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
+          str(source / "checkpoint" / "step-4"))
+    assert losses_by_step(from_hf)[1] == losses_by_step(from_dcp)[1]

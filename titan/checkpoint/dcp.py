@@ -1,0 +1,388 @@
+"""Save and resume training state with torch.distributed.checkpoint (DCP).
+
+Layout: <dump_folder>/<checkpoint.folder>/step-<N>/ holds one DCP checkpoint (.metadata plus one .distcp file per
+rank). A save writes into step-<N>.partial/ and rank 0 renames it to step-<N> once every rank's files and the
+metadata are written; a rename is atomic, so a folder named step-<N> is always complete. A run killed mid-save
+leaves only a .partial folder, which resume ignores (with a warning) and the next completed save deletes.
+
+State (top-level keys of the DCP state dict):
+  model         parameters by FQN, as sharded DTensors under FSDP/TP, so DCP reshards on load
+  optimizer     optimizer state by parameter FQN (torch.distributed.checkpoint.state_dict)
+  lr_scheduler  the schedule's state, pickled
+  train_state   step, tokens seen, data-parallel degree and world size, pickled
+  dataloader    dp_rank_<r>: each data-parallel rank's loader position, pickled
+  rng           rank_<r>: each rank's torch (and CUDA) RNG state, pickled
+Weights-only checkpoints (seed checkpoints, --checkpoint.last_save_model_only exports) hold only `model`.
+"""
+
+import pickle
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titan.config.dtypes import to_dtype
+from titan.config.errors import ConfigError
+from titan.config.job import Checkpoint
+from titan.metrics.log import logger
+
+# Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+PARTIAL_SUFFIX = ".partial"
+MODEL_KEY = "model"
+"""Top-level key of the model's state dict: its tensors are `model.<fqn>` in a checkpoint's metadata."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be loaded into this run: wrong shapes, or missing or corrupt files. Exits with 2
+    like a config mistake, since the fix is the user's (the right folder, step or model)."""
+
+
+@dataclass
+class TrainState:
+    """What the loop needs to continue where it stopped."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    dp_degree: int = 1
+    world_size: int = 1
+
+
+def step_folder(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a complete checkpoint in `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name)))
+
+
+def partial_folders(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX)) if root.is_dir() else []
+
+
+def pickled(value: Any) -> bytes:
+    return pickle.dumps(value)
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    """DCP's key -> storage metadata of a checkpoint folder; a CheckpointError naming the folder if unreadable."""
+    try:
+        return FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    except Exception as error:  # noqa: BLE001 - any failure to read means the same thing to the user
+        raise CheckpointError([f"Checkpoint {folder} has no readable metadata ({type(error).__name__}: {error}). "
+                               f"The folder is missing files or corrupt: delete it to resume from the previous "
+                               f"step, or choose one with --checkpoint.load_step."]) from error
+
+
+def root_cause(error: BaseException) -> str:
+    """'Type: message' of what went wrong; for DCP's CheckpointException, the first rank's original error
+    rather than every rank's traceback."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        first = next(iter(failures.values()))
+        error = getattr(first, "exc", first)
+    return f"{type(error).__name__}: {str(error)[:300]}"
+
+
+def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict[str, torch.Tensor]) -> None:
+    """Raise a CheckpointError listing every parameter whose shape differs, or that only one side has."""
+    saved = {key.removeprefix("model."): tuple(value.size) for key, value in metadata.items()
+             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+    expected = {fqn: tuple(tensor.shape) for fqn, tensor in model_state.items()}
+    problems = [f"{fqn} is {saved[fqn]} in the checkpoint but {shape} in the model"
+                for fqn, shape in expected.items() if fqn in saved and saved[fqn] != shape]
+    problems += [f"{fqn} {shape} is missing from the checkpoint" for fqn, shape in expected.items() if fqn not in saved]
+    problems += [f"{fqn} {shape} is in the checkpoint but not in the model" for fqn, shape in saved.items()
+                 if fqn not in expected]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError([f"Checkpoint {folder} was saved from a different model: {shown}. Use the "
+                               f"--model.flavor, --model.tokenizer_path and --model.vocab_size_multiple_of it was "
+                               f"trained with, or another --checkpoint.folder."])
+
+
+def save_model_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write a weights-only checkpoint, {"model": state_dict}, from one process without a process group: a
+    folder --checkpoint.initial_load_path can start from (scripts/convert_from_hf.py)."""
+    dcp.save({MODEL_KEY: dict(state_dict)}, checkpoint_id=str(folder), no_dist=True)
+
+
+def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict (plain CPU tensors in their saved dtypes) of a step folder, read on one process
+    without a process group and without touching the optimizer state (scripts/convert_to_hf.py, generate.py)."""
+    if not folder.is_dir():
+        raise CheckpointError([f"Checkpoint folder {folder} does not exist. Pass a step folder such as "
+                               f"<dump_folder>/checkpoint/step-20."])
+    prefix = f"{MODEL_KEY}."
+    weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
+               for key, entry in read_metadata(folder).items()
+               if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
+    if not weights:
+        raise CheckpointError([f"Checkpoint {folder} holds no model weights. Pass a step folder written by "
+                               f"Titan's checkpointer or scripts/convert_from_hf.py."])
+    read_into({MODEL_KEY: weights}, folder, no_dist=True)
+    return weights
+
+
+def read_into(state: dict[str, Any], folder: Path, no_dist: bool) -> None:
+    """dcp.load into `state` in place; missing or corrupt files become a CheckpointError naming the folder."""
+    try:
+        dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
+    except (Exception, CheckpointException) as error:  # CheckpointException (per-rank failures) is a BaseException
+        raise CheckpointError([f"Checkpoint {folder} could not be read ({root_cause(error)}). Its files are missing "
+                               f"or corrupt: delete the folder to resume from the previous step, or choose one "
+                               f"with --checkpoint.load_step."]) from error
+
+
+class Checkpointer:
+    """Saves every `interval` steps and at the end, resumes at startup. Every rank calls every method."""
+
+    def __init__(self, cfg: Checkpoint, dump_folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader: Any, device: torch.device,
+                 dp_rank: int, dp_degree: int) -> None:
+        self.cfg = cfg
+        self.root = dump_folder / cfg.folder
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.device = device
+        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.pending: tuple[int, Future] | None = None
+        # DCP's background thread runs its own collectives; a separate gloo group keeps them off the training
+        # group, whose collectives (NCCL on GPUs) must be issued in the same order on every rank.
+        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() and cfg.async_mode != "disabled" else None
+        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=True))
+                       if cfg.async_mode == "async_with_pinned_mem" else None)
+
+    # ---- saving ----
+
+    def training_state(self, train_state: TrainState) -> dict[str, Any]:
+        return {
+            MODEL_KEY: get_model_state_dict(self.model),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
+            "lr_scheduler": pickled(self.lr_scheduler.state_dict()),
+            "train_state": pickled(asdict(train_state)),
+            "dataloader": {f"dp_rank_{self.dp_rank}": pickled(self.dataloader.state_dict())},
+            "rng": {f"rank_{self.rank}": pickled(rng_state(self.device))},
+        }
+
+    def export_state(self) -> dict[str, Any]:
+        """Weights only, in --checkpoint.export_dtype."""
+        dtype = to_dtype(self.cfg.export_dtype)
+        return {"model": {fqn: tensor.to(dtype) for fqn, tensor in get_model_state_dict(self.model).items()}}
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+    def save(self, train_state: TrainState, last_step: int) -> None:
+        """Write the checkpoint of `train_state.step`: blocking, or blocking only for the copy to host memory."""
+        self.wait()  # one save in flight at a time, so files and renames never interleave
+        step = train_state.step
+        model_only = step == last_step and self.cfg.last_save_model_only
+        state = self.export_state() if model_only else self.training_state(train_state)
+        partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
+        writer = FileSystemWriter(str(partial))
+        kind = "weights-only export" if model_only else "checkpoint"
+        if self.cfg.async_mode == "disabled":
+            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+            self.finish(step)
+            logger.info(f"Saved {kind} of step {step} to {step_folder(self.root, step)}")
+            return
+        response = dcp.async_save(state, storage_writer=writer, process_group=self.process_group,
+                                  async_stager=self.stager, no_dist=not dist.is_initialized())
+        if self.stager is not None:
+            # The pinned-memory stager returns staging and upload separately; training may only change the
+            # parameters again once they are copied out.
+            response.staging_completion.result()
+            response = response.upload_completion
+        self.pending = (step, response)
+        logger.info(f"Saving {kind} of step {step} in the background to {step_folder(self.root, step)}")
+
+    def poll(self) -> None:
+        """Finish a background save whose files are all written (call once per step)."""
+        if self.pending is not None and self.pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save, if any, is written and renamed."""
+        if self.pending is None:
+            return
+        step, future = self.pending
+        self.pending = None
+        future.result()  # re-raises a failed write here, on the training thread
+        self.finish(step)
+        logger.info(f"Checkpoint of step {step} complete")
+
+    def finish(self, step: int) -> None:
+        """Rank 0 publishes the finished step folder with one atomic rename, then purges old checkpoints.
+
+        DCP writes the metadata only after every rank reported its files written, so once this rank's save
+        returned, the folder is complete.
+        """
+        if self.rank != 0:
+            return
+        final = step_folder(self.root, step)
+        if final.exists():
+            shutil.rmtree(final)  # an earlier run's checkpoint of the same step (after --checkpoint.load_step)
+        (self.root / f"step-{step}{PARTIAL_SUFFIX}").rename(final)
+        self.purge(keep_step=step)
+
+    def purge(self, keep_step: int) -> None:
+        """Delete partial folders of killed saves and all but the newest --checkpoint.keep_latest_k steps."""
+        for partial in partial_folders(self.root):
+            shutil.rmtree(partial, ignore_errors=True)
+        steps = complete_steps(self.root)
+        if self.cfg.keep_latest_k > 0:
+            for step in steps[:-self.cfg.keep_latest_k]:
+                if step != keep_step:
+                    shutil.rmtree(step_folder(self.root, step), ignore_errors=True)
+                    logger.info(f"Deleted checkpoint of step {step} (--checkpoint.keep_latest_k {self.cfg.keep_latest_k})")
+
+    # ---- loading ----
+
+    def resume_folder(self) -> Path | None:
+        """The step folder to resume from: --checkpoint.load_step, else the latest complete one, else None."""
+        for partial in partial_folders(self.root):
+            logger.warning(f"Ignoring incomplete checkpoint {partial} (a save that did not finish); it will be "
+                           f"deleted after the next save.")
+        steps = complete_steps(self.root)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise CheckpointError([f"--checkpoint.load_step {self.cfg.load_step} has no complete checkpoint in "
+                                       f"{self.root} (complete steps: {steps or 'none'})."])
+            return step_folder(self.root, self.cfg.load_step)
+        return step_folder(self.root, steps[-1]) if steps else None
+
+    def load(self) -> TrainState:
+        """Restore the latest checkpoint (or the initial weights); returns where training continues."""
+        if not self.cfg.enable:
+            return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+        folder = self.resume_folder()
+        if folder is not None:
+            return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading))
+        if self.cfg.initial_load_path is not None:
+            return self.load_initial(Path(self.cfg.initial_load_path))
+        logger.info(f"No checkpoint in {self.root}: training starts from step 0")
+        return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+
+    def load_initial(self, path: Path) -> TrainState:
+        if self.cfg.initial_load_in_hf:
+            from titan.checkpoint.hf import load_hf_weights
+
+            state = load_hf_weights(path, self.model.args)
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            logger.info(f"Loaded Hugging Face weights from {path}")
+            return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+        exclude = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} if self.cfg.initial_load_model_only else set()
+        state = self.load_folder(path, exclude)
+        return state if not self.cfg.initial_load_model_only else TrainState(dp_degree=self.dp_degree,
+                                                                             world_size=self.world_size)
+
+    def load_folder(self, folder: Path, exclude: set[str]) -> TrainState:
+        """Load every part of `folder` that it holds and `exclude` does not name."""
+        metadata = read_metadata(folder)
+        saved_parts = {key.split(".", 1)[0] for key in metadata}
+        model_state = get_model_state_dict(self.model)
+        check_model_shapes(folder, metadata, model_state)
+        train_state = TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+        parts = [part for part in ("model", "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
+        state: dict[str, Any] = {"model": model_state} if "model" in parts else {}
+        if "optimizer" in parts:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        for part in ("lr_scheduler", "train_state"):
+            if part in parts:
+                state[part] = b""
+        self.read(folder, state)
+        if "model" in state:
+            set_model_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
+        if "train_state" in state:
+            saved = TrainState(**pickle.loads(state["train_state"]))
+            train_state.step, train_state.tokens_seen = saved.step, saved.tokens_seen
+            state.update(self.load_per_rank_state(folder, metadata, saved, exclude))
+        skipped = sorted(saved_parts & exclude)
+        logger.info(f"Loaded {folder}: step {train_state.step}, {', '.join(sorted(state))} restored"
+                    + (f"; not restored: {', '.join(skipped)}" if skipped else ""))
+        return train_state
+
+    def load_per_rank_state(self, folder: Path, metadata: dict[str, Any], saved: TrainState,
+                            exclude: set[str]) -> dict[str, Any]:
+        """The data position and RNG are per rank: restore them only on the layout they were saved with. Returns
+        the parts restored."""
+        state: dict[str, Any] = {}
+        if "dataloader" not in exclude:
+            if saved.dp_degree == self.dp_degree:
+                state["dataloader"] = {f"dp_rank_{self.dp_rank}": b""}
+            else:
+                logger.warning(f"The checkpoint was saved with data-parallel degree {saved.dp_degree}, this run has "
+                               f"{self.dp_degree}: each rank reads a different document shard now, so the data "
+                               f"order restarts instead of resuming.")
+        if "rng" not in exclude and saved.world_size == self.world_size:
+            state["rng"] = {f"rank_{self.rank}": b""}
+        state = {part: value for part, value in state.items() if any(k.startswith(part + ".") for k in metadata)}
+        if not state:
+            return state
+        self.read(folder, state)
+        if "dataloader" in state:
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+        if "rng" in state:
+            set_rng_state(pickle.loads(state["rng"][f"rank_{self.rank}"]), self.device)
+        return state
+
+    def read(self, folder: Path, state: dict[str, Any]) -> None:
+        read_into(state, folder, no_dist=not dist.is_initialized())
+
+    def save_seed(self) -> None:
+        """Write the freshly initialised weights as step 0 (weights only)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        dcp.save({"model": get_model_state_dict(self.model)}, no_dist=not dist.is_initialized(),
+                 storage_writer=FileSystemWriter(str(self.root / f"step-0{PARTIAL_SUFFIX}")))
+        self.finish(0)
+        logger.info(f"Wrote the seed checkpoint {step_folder(self.root, 0)}")
+
+    def close(self) -> None:
+        self.wait()
+        if self.process_group is not None:
+            dist.destroy_process_group(self.process_group)
+
