@@ -187,10 +187,11 @@ class Checkpointer:
         self.pending: tuple[int, Future] | None = None
         # DCP's background thread runs its own collectives; a separate gloo group keeps them off the training
         # group, whose collectives (NCCL on GPUs) must be issued in the same order on every rank.
-        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() and cfg.async_mode != "disabled" else None
+        background = cfg.enable and cfg.async_mode != "disabled"
+        self.process_group = dist.new_group(backend="gloo") if background and dist.is_initialized() else None
         self.stager = (DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=True))
-                       if cfg.async_mode == "async_with_pinned_mem" else None)
+                       if cfg.enable and cfg.async_mode == "async_with_pinned_mem" else None)
 
     # ---- saving ----
 
@@ -207,7 +208,7 @@ class Checkpointer:
     def export_state(self) -> dict[str, Any]:
         """Weights only, in --checkpoint.export_dtype."""
         dtype = to_dtype(self.cfg.export_dtype)
-        return {"model": {fqn: tensor.to(dtype) for fqn, tensor in get_model_state_dict(self.model).items()}}
+        return {MODEL_KEY: {fqn: tensor.to(dtype) for fqn, tensor in get_model_state_dict(self.model).items()}}
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
@@ -226,14 +227,11 @@ class Checkpointer:
             self.finish(step)
             logger.info(f"Saved {kind} of step {step} to {step_folder(self.root, step)}")
             return
-        response = dcp.async_save(state, storage_writer=writer, process_group=self.process_group,
-                                  async_stager=self.stager, no_dist=not dist.is_initialized())
-        if self.stager is not None:
-            # The pinned-memory stager returns staging and upload separately; training may only change the
-            # parameters again once they are copied out.
-            response.staging_completion.result()
-            response = response.upload_completion
-        self.pending = (step, response)
+        # Staging (the copy to host memory) happens inside async_save (the pinned stager is built with
+        # use_async_staging=False), so training may change the parameters as soon as it returns.
+        upload = dcp.async_save(state, storage_writer=writer, process_group=self.process_group,
+                                async_stager=self.stager, no_dist=not dist.is_initialized())
+        self.pending = (step, upload)
         logger.info(f"Saving {kind} of step {step} in the background to {step_folder(self.root, step)}")
 
     def poll(self) -> None:
@@ -324,7 +322,7 @@ class Checkpointer:
         check_model_shapes(folder, metadata, model_state)
         train_state = TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
         parts = [part for part in ("model", "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
-        state: dict[str, Any] = {"model": model_state} if "model" in parts else {}
+        state: dict[str, Any] = {MODEL_KEY: model_state} if MODEL_KEY in parts else {}
         if "optimizer" in parts:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         for part in ("lr_scheduler", "train_state"):
@@ -376,13 +374,15 @@ class Checkpointer:
     def save_seed(self) -> None:
         """Write the freshly initialised weights as step 0 (weights only)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        dcp.save({"model": get_model_state_dict(self.model)}, no_dist=not dist.is_initialized(),
+        dcp.save({MODEL_KEY: get_model_state_dict(self.model)}, no_dist=not dist.is_initialized(),
                  storage_writer=FileSystemWriter(str(self.root / f"step-0{PARTIAL_SUFFIX}")))
         self.finish(0)
         logger.info(f"Wrote the seed checkpoint {step_folder(self.root, 0)}")
 
     def close(self) -> None:
         self.wait()
+        if self.stager is not None:
+            self.stager.close()
         if self.process_group is not None:
             dist.destroy_process_group(self.process_group)
 
