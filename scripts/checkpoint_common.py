@@ -14,8 +14,7 @@ from titan.config.job import Model  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs  # noqa: E402
-from titan.train.trainer import build_model_args  # noqa: E402
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, build_model_args  # noqa: E402
 
 TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file>, or "
                     "-- --job.config_file <dump_folder>/config.toml to reuse the training run's config. "
@@ -44,7 +43,9 @@ def parse_model_shape(flags: list[str]) -> tuple[Model, ModelArgs, Tokenizer]:
     """The [model] section and the model's shape with the flavor's own context length: a converted checkpoint
     describes the model (HF's max_position_embeddings), not one run's --training.seq_len."""
     model, tokenizer = parse_model_flags(flags)
-    return model, build_model_args(model, LLAMA3_FLAVORS[model.flavor].max_seq_len, tokenizer.vocab_size), tokenizer
+    args = build_model_args(model.flavor, tokenizer.vocab_size, model.vocab_size_multiple_of,
+                            LLAMA3_FLAVORS[model.flavor].max_seq_len)
+    return model, args, tokenizer
 
 
 def check_new_folder(folder: Path, flag: str) -> None:

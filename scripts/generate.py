@@ -27,9 +27,8 @@ from titan.checkpoint.hf import (
     load_hf_weights,
     titan_shapes,
 )
-from titan.models.llama.args import ModelArgs
+from titan.models.llama.args import ModelArgs, build_model_args
 from titan.models.llama.model import Transformer, precompute_freqs_cis
-from titan.train.trainer import build_model_args
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
@@ -98,7 +97,8 @@ def main() -> None:
     model_cfg, tokenizer = parse_model_flags(titan_flags)
     prompt_ids = tokenizer.encode(cli.prompt, bos=True, eos=False)
     # The rotary table only needs to reach the last position sampled; a position's angles don't depend on its length.
-    args = build_model_args(model_cfg, len(prompt_ids) + cli.max_new_tokens, tokenizer.vocab_size)
+    args = build_model_args(model_cfg.flavor, tokenizer.vocab_size, model_cfg.vocab_size_multiple_of,
+                            len(prompt_ids) + cli.max_new_tokens)
     if cli.hf:
         state_dict = load_hf_weights(cli.checkpoint, args)
     else:

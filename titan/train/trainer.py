@@ -1,7 +1,6 @@
 """The training loop. __init__ reads as the pipeline; run() is the loop; train_step() is one step."""
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +12,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpoint.dcp import Checkpointer, TrainState
 from titan.config.dtypes import to_dtype
-from titan.config.job import JobConfig, Model
+from titan.config.job import JobConfig
 from titan.config.load import to_toml
 from titan.data.loader import build_dataloader
 from titan.data.tokenizer import build_tokenizer
@@ -21,7 +20,7 @@ from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, padded_vocab_size
+from titan.models.llama.args import build_model_args, padded_vocab_size
 from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
 from titan.models.llama.loss import cross_entropy_loss
@@ -42,12 +41,6 @@ from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_s
 from titan.train.lr import build_lr_scheduler
 from titan.train.nan_guard import check_finite, stop_hints
 from titan.train.optim import build_optimizer
-
-
-def build_model_args(model: Model, seq_len: int, vocab_size: int) -> ModelArgs:
-    """The flavor's shape with the tokenizer's vocab and a rotary table as long as the training sequence."""
-    return dataclasses.replace(LLAMA3_FLAVORS[model.flavor], vocab_size=vocab_size,
-                               vocab_size_multiple_of=model.vocab_size_multiple_of, max_seq_len=seq_len)
 
 
 def set_seed(seed: int, deterministic: bool) -> None:
@@ -81,7 +74,8 @@ class Trainer:
         set_seed(cfg.training.seed, cfg.training.deterministic)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.model_args = build_model_args(cfg.model, cfg.training.seq_len, self.tokenizer.vocab_size)
+        self.model_args = build_model_args(cfg.model.flavor, self.tokenizer.vocab_size,
+                                           cfg.model.vocab_size_multiple_of, cfg.training.seq_len)
         with torch.device("meta"):
             self.model = Transformer(self.model_args)
         self.log_model_size()
@@ -277,6 +271,10 @@ class Trainer:
                 self.checkpointer.close()
                 for sink in self.sinks:
                     sink.close()
+        if torch.distributed.is_initialized():
+            # Every rank finishes its last save and collective before any rank tears the process group down:
+            # gloo has aborted a rank ("terminate called without an active exception") whose peer left first.
+            torch.distributed.barrier()
         logger.info(f"Training finished after {self.step} steps.")
 
     def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:

@@ -1,7 +1,7 @@
 """Llama 3 shapes: ModelArgs, the flavor table, and the size rules that config validation needs
 without building a model."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
@@ -85,3 +85,9 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
                       multiple_of=4096, rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=131072),
 }
+
+
+def build_model_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int) -> ModelArgs:
+    """The flavor's shape with a tokenizer's vocab and a rotary table of max_seq_len positions."""
+    return replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of,
+                   max_seq_len=max_seq_len)
