@@ -13,15 +13,20 @@ from titan.train.trainer import Trainer
 
 def main(argv: list[str]) -> int:
     init_logger()
+    # Every rank reaches the end together after a finished run, and after a non-finite loss (all ranks see the
+    # same global loss); after any other error a peer may never arrive.
+    all_ranks_done = False
     try:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         Trainer(load_job_config(argv, world_size), world_size).run()
+        all_ranks_done = True
     except (ConfigError, NonFiniteLossError) as e:
         # User mistakes and diverged runs explain themselves; a traceback would bury the message.
         logger.error(str(e))
+        all_ranks_done = isinstance(e, NonFiniteLossError)
         return e.exit_code
     finally:
-        destroy_distributed()
+        destroy_distributed(wait_for_peers=all_ranks_done)
     return 0
 
 

@@ -124,7 +124,7 @@ def measure_rank_memory(args: argparse.Namespace, argv: list[str]) -> None:
     tps = t.local_batch_size * t.seq_len * args.steps / seconds if seconds else 0.0
     if trainer.rank == 0:
         print(f"RESULT {world_size} {param_bytes} {state_bytes} {tps:.1f}", flush=True)
-    destroy_distributed()
+    destroy_distributed(wait_for_peers=True)
 
 
 def fsdp_memory_table(args: argparse.Namespace) -> None:

@@ -28,6 +28,7 @@ from titan.quant.float8.fsdp import (  # noqa: E402
     Float8AllGatherWeight, Float8GatheredWeight, apply_float8_all_gather, precompute_float8_scales,
 )
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
+from titan.parallel.dims import destroy_distributed  # noqa: E402
 
 STEPS = 4
 BATCH = 16
@@ -203,7 +204,7 @@ def main() -> None:
         results[name] = result
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    destroy_distributed(wait_for_peers=True)
 
 
 if __name__ == "__main__":

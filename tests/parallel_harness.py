@@ -51,7 +51,7 @@ def main() -> None:
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.rank == 0:
         torch.save({"losses": losses, "weights": weights}, out)
-    destroy_distributed()
+    destroy_distributed(wait_for_peers=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from float8_codes import assert_codes_equal, spec_test_values
 from triton_interpreter import run_interpreted
 from reference import float8_ref as ref
+from titan.parallel.dims import destroy_distributed
 from titan.quant.float8.casts import (
     E4M3,
     E5M2,
@@ -263,7 +264,7 @@ def check_dtensor_casts(rank: int, world_size: int, init_file: str) -> None:
             # gathered as uint8: gloo has no float8 collectives
             assert torch.equal(data.view(torch.uint8).full_tensor(), want_data.view(torch.uint8))
             assert torch.equal(scale.full_tensor(), want_scale)
-    torch.distributed.destroy_process_group()
+    destroy_distributed(wait_for_peers=True)
 
 
 def test_dtensor_casts_match_full_tensor(tmp_path: Path) -> None:

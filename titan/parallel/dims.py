@@ -71,9 +71,16 @@ def init_distributed(comm: Comm, device: torch.device, world_size: int) -> None:
                 f"local rank {os.environ.get('LOCAL_RANK', '0')})")
 
 
-def destroy_distributed() -> None:
-    """Leave the process group so the process exits cleanly (gloo aborts otherwise)."""
+def destroy_distributed(wait_for_peers: bool) -> None:
+    """Leave the process group so the process exits cleanly (gloo aborts otherwise).
+
+    wait_for_peers: meet every rank at a barrier first, for runs that finished normally. A rank that tore the
+    group down while its peer was still busy (saving a checkpoint, writing results) has been aborted by gloo
+    ("terminate called without an active exception"). Not after an error: a peer may never arrive.
+    """
     if dist.is_initialized():
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -271,10 +271,6 @@ class Trainer:
                 self.checkpointer.close()
                 for sink in self.sinks:
                     sink.close()
-        if torch.distributed.is_initialized():
-            # Every rank finishes its last save and collective before any rank tears the process group down:
-            # gloo has aborted a rank ("terminate called without an active exception") whose peer left first.
-            torch.distributed.barrier()
         logger.info(f"Training finished after {self.step} steps.")
 
     def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
