@@ -16,6 +16,7 @@ import torch
 from bench_common import final_loss, llama_8b_linear_shapes, median_seconds, time_fwd_bwd
 from torch import nn
 
+from titan.config.validate import MX_MIN_CAPABILITY
 from titan.metrics.log import init_logger
 from titan.quant.float8.casts import E4M3
 from titan.quant.mx.linear import MXLinear
@@ -23,6 +24,11 @@ from titan.quant.mx.numerics import BLOCK_SIZE, torch_quantize
 
 HBM_BYTES_PER_SECOND = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8.0e12}
 """Peak memory bandwidth of the SXM parts (NVIDIA data sheets), to put the kernel's GB/s in proportion."""
+
+
+def mx_native() -> bool:
+    """Whether this machine multiplies MX blocks natively (the rule --mx.emulate is checked against)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= MX_MIN_CAPABILITY
 
 
 def peak_bandwidth(device: torch.device) -> float | None:
@@ -61,7 +67,7 @@ def bench_quantize(rows: int, cols: int, repeats: int) -> None:
 def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (10, 0)
+    native = mx_native()
     mode = "native" if native else "emulated (no SM100+ GPU: quantization overhead, not MX speed)"
     print(f"linear fwd+bwd, {tokens} tokens, {dtype} high precision, device {device}, mx {mode}, "
           f"compile {compile_modules}")
@@ -79,7 +85,7 @@ def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
 
 def loss_curve(flags: list[str], steps: int) -> None:
     reference = final_loss(flags, steps, "/tmp/titan_mx_curve/high_precision")
-    native = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (10, 0)
+    native = mx_native()
     mx_flags = ["--model.converters", "mx"] + ([] if native else ["--mx.emulate"])
     loss = final_loss([*flags, *mx_flags], steps, "/tmp/titan_mx_curve/mxfp8")
     print(f"debug model, {steps} steps: high precision final loss {reference:.4f}")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titan.checkpoint.dcp import read_model_weights
 from train_script import ROOT, losses_by_step, run_train
 
 STEPS = 20
@@ -134,12 +135,6 @@ def fsdp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def full_weights(step_folder: Path) -> dict[str, torch.Tensor]:
-    from titan.checkpoint.dcp import read_model_weights
-
-    return read_model_weights(step_folder)
-
-
 @pytest.mark.parametrize("nprocs, flags", [
     (1, []),
     (2, ["--parallelism.tensor_parallel_degree", "2"]),
@@ -155,7 +150,8 @@ def test_resharded_load(tmp_path: Path, fsdp2_checkpoint: Path, nprocs: int, fla
                    "--checkpoint.exclude_from_loading", "dataloader", *flags, nprocs=nprocs)
     assert "checkpoint/step-4: step 4" in result.stdout
     assert "Training finished after 5 steps" in result.stdout
-    saved, continued = full_weights(folder / "checkpoint" / "step-4"), full_weights(folder / "checkpoint" / "step-5")
+    saved = read_model_weights(folder / "checkpoint" / "step-4")
+    continued = read_model_weights(folder / "checkpoint" / "step-5")
     assert saved.keys() == continued.keys()
     moved = [fqn for fqn in saved if not torch.equal(saved[fqn], continued[fqn])]
     assert moved, "step 5 trained from the loaded weights"
@@ -202,8 +198,6 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path: Path) -> None
     seed = tmp_path / "seed"
     result = train(seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.seed", "7")
     assert "Wrote the seed checkpoint" in result.stdout and "step     1" not in result.stdout
-    from titan.checkpoint.dcp import read_model_weights
-
     seed_weights = read_model_weights(seed / "checkpoint" / "step-0")
     metadata = dcp.FileSystemReader(str(seed / "checkpoint" / "step-0")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in metadata} == {"model"}

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
-from titan.config.job import Checkpoint
+from titan.config.job import CHECKPOINT_PARTS, Checkpoint
 from titan.metrics.log import logger
 
 # Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
@@ -84,10 +84,6 @@ def partial_folders(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX)) if root.is_dir() else []
 
 
-def pickled(value: Any) -> bytes:
-    return pickle.dumps(value)
-
-
 def rng_state(device: torch.device) -> dict[str, Any]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -123,8 +119,9 @@ def root_cause(error: BaseException) -> str:
 
 def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict[str, torch.Tensor]) -> None:
     """Raise a CheckpointError listing every parameter whose shape differs, or that only one side has."""
-    saved = {key.removeprefix("model."): tuple(value.size) for key, value in metadata.items()
-             if key.startswith("model.") and isinstance(value, TensorStorageMetadata)}
+    prefix = f"{MODEL_KEY}."
+    saved = {key.removeprefix(prefix): tuple(value.size) for key, value in metadata.items()
+             if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)}
     expected = {fqn: tuple(tensor.shape) for fqn, tensor in model_state.items()}
     problems = [f"{fqn} is {saved[fqn]} in the checkpoint but {shape} in the model"
                 for fqn, shape in expected.items() if fqn in saved and saved[fqn] != shape]
@@ -193,16 +190,20 @@ class Checkpointer:
                                                     use_async_staging=False, use_non_blocking_copy=True))
                        if cfg.enable and cfg.async_mode == "async_with_pinned_mem" else None)
 
+    def start_state(self) -> TrainState:
+        """Step 0 on this run's layout: no checkpoint, or weights only."""
+        return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+
     # ---- saving ----
 
     def training_state(self, train_state: TrainState) -> dict[str, Any]:
         return {
             MODEL_KEY: get_model_state_dict(self.model),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            "lr_scheduler": pickled(self.lr_scheduler.state_dict()),
-            "train_state": pickled(asdict(train_state)),
-            "dataloader": {f"dp_rank_{self.dp_rank}": pickled(self.dataloader.state_dict())},
-            "rng": {f"rank_{self.rank}": pickled(rng_state(self.device))},
+            "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
+            "train_state": pickle.dumps(asdict(train_state)),
+            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            "rng": {f"rank_{self.rank}": pickle.dumps(rng_state(self.device))},
         }
 
     def export_state(self) -> dict[str, Any]:
@@ -292,14 +293,14 @@ class Checkpointer:
     def load(self) -> TrainState:
         """Restore the latest checkpoint (or the initial weights); returns where training continues."""
         if not self.cfg.enable:
-            return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+            return self.start_state()
         folder = self.resume_folder()
         if folder is not None:
             return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading))
         if self.cfg.initial_load_path is not None:
             return self.load_initial(Path(self.cfg.initial_load_path))
         logger.info(f"No checkpoint in {self.root}: training starts from step 0")
-        return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
+        return self.start_state()
 
     def load_initial(self, path: Path) -> TrainState:
         if self.cfg.initial_load_in_hf:
@@ -308,11 +309,11 @@ class Checkpointer:
             state = load_hf_weights(path, self.model.args)
             set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
             logger.info(f"Loaded Hugging Face weights from {path}")
-            return TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
-        exclude = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"} if self.cfg.initial_load_model_only else set()
-        state = self.load_folder(path, exclude)
-        return state if not self.cfg.initial_load_model_only else TrainState(dp_degree=self.dp_degree,
-                                                                             world_size=self.world_size)
+            return self.start_state()
+        if self.cfg.initial_load_model_only:
+            self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY})
+            return self.start_state()
+        return self.load_folder(path, exclude=set())
 
     def load_folder(self, folder: Path, exclude: set[str]) -> TrainState:
         """Load every part of `folder` that it holds and `exclude` does not name."""
@@ -320,8 +321,8 @@ class Checkpointer:
         saved_parts = {key.split(".", 1)[0] for key in metadata}
         model_state = get_model_state_dict(self.model)
         check_model_shapes(folder, metadata, model_state)
-        train_state = TrainState(dp_degree=self.dp_degree, world_size=self.world_size)
-        parts = [part for part in ("model", "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
+        train_state = self.start_state()
+        parts = [part for part in (MODEL_KEY, "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
         state: dict[str, Any] = {MODEL_KEY: model_state} if MODEL_KEY in parts else {}
         if "optimizer" in parts:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
@@ -329,8 +330,8 @@ class Checkpointer:
             if part in parts:
                 state[part] = b""
         self.read(folder, state)
-        if "model" in state:
-            set_model_state_dict(self.model, state["model"])
+        if MODEL_KEY in state:
+            set_model_state_dict(self.model, state[MODEL_KEY])
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
         if "lr_scheduler" in state:

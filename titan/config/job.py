@@ -190,6 +190,10 @@ class Float8:
     instead of one small all-reduce per layer."""
 
 
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+"""Top-level parts of a checkpoint, as --checkpoint.exclude_from_loading names them."""
+
+
 @dataclass
 class Checkpoint:
     enable: bool = False

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from titan.config.errors import ConfigError
-from titan.config.job import JobConfig
+from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 
@@ -27,7 +27,6 @@ POSITIVE_FIELDS = (
     ("metrics", "log_freq"), ("profiling", "profile_freq"), ("model", "vocab_size_multiple_of"),
     ("comm", "init_timeout_seconds"), ("comm", "train_timeout_seconds"), ("checkpoint", "interval"),
 )
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
 
 
 def check_positive(cfg: JobConfig) -> list[str]:
