@@ -4,30 +4,22 @@ import os
 import sys
 
 from titan.config.check import load_job_config
-from titan.config.errors import ConfigError
-from titan.metrics.log import init_logger, logger
+from titan.exits import run_main
+from titan.metrics.log import init_logger
 from titan.parallel.dims import destroy_distributed
-from titan.train.nan_guard import NonFiniteLossError
 from titan.train.trainer import Trainer
 
 
-def main(argv: list[str]) -> int:
+def train(argv: list[str]) -> None:
     init_logger()
-    # Every rank reaches the end together after a finished run, and after a non-finite loss (all ranks see the
-    # same global loss); after any other error a peer may never arrive.
-    all_ranks_done = False
-    try:
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        Trainer(load_job_config(argv, world_size), world_size).run()
-        all_ranks_done = True
-    except (ConfigError, NonFiniteLossError) as e:
-        # User mistakes and diverged runs explain themselves; a traceback would bury the message.
-        logger.error(str(e))
-        all_ranks_done = isinstance(e, NonFiniteLossError)
-        return e.exit_code
-    finally:
-        destroy_distributed(wait_for_peers=all_ranks_done)
-    return 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    Trainer(load_job_config(argv, world_size), world_size).run()
+
+
+def main(argv: list[str]) -> int:
+    # Ranks meet at a barrier before leaving the process group only when all of them got there (a finished run,
+    # a non-finite loss); after a rank's own error a peer may never arrive.
+    return run_main(lambda: train(argv), on_exit=lambda ranks_agree: destroy_distributed(wait_for_peers=ranks_agree))
 
 
 if __name__ == "__main__":

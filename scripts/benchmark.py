@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.dtypes import to_dtype  # noqa: E402
+from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.models.llama.init import init_weights  # noqa: E402
 from titan.models.llama.loss import cross_entropy_loss  # noqa: E402
@@ -234,4 +235,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -13,7 +13,8 @@ from titan.config.errors import ConfigError  # noqa: E402
 from titan.config.job import Model  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
-from titan.metrics.log import init_logger, logger  # noqa: E402
+from titan.exits import run_main  # noqa: E402
+from titan.metrics.log import init_logger  # noqa: E402
 from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, build_model_args  # noqa: E402
 
 TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file>, or "
@@ -56,11 +57,6 @@ def check_new_folder(folder: Path, flag: str) -> None:
 
 
 def run_script(main: Callable[[], None]) -> int:
-    """Run a script's main(); a ConfigError prints as one message without a traceback and exits 2."""
+    """Run a script's main() under Titan's exit handler: a ConfigError prints as one message and exits 2."""
     init_logger()
-    try:
-        main()
-    except ConfigError as e:
-        logger.error(str(e))
-        return e.exit_code
-    return 0
+    return run_main(main)

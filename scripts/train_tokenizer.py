@@ -16,6 +16,7 @@ from pathlib import Path
 # Run as `python scripts/train_tokenizer.py`, Python puts scripts/ (not the project root) on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from titan.config.errors import ConfigError  # noqa: E402
+from titan.exits import run_main  # noqa: E402
 from titan.data.bpe_train import train_bpe, write_tiktoken  # noqa: E402
 from titan.data.dataset import read_documents  # noqa: E402
 from titan.data.tokenizer import LLAMA3_NUM_RANKS, TITAN_SPECIAL_TOKENS, Tokenizer  # noqa: E402
@@ -48,9 +49,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     init_logger()
-    try:
-        main()
-    except ConfigError as err:
-        # A user mistake: the message says what to change, so no traceback; exit 2 as train.py does.
-        logger.error(str(err))
-        sys.exit(2)
+    sys.exit(run_main(main))

@@ -172,7 +172,7 @@ def test_world_size_is_validated() -> None:
      ["--parallelism.enable_async_tensor_parallel"]),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "every"], 1,
      ["--activation_checkpoint.selective_ac_option 'every'"]),
-    (["--parallelism.data_parallel_replicate_degree", "0"], 1, ["parallel degrees must be at least 1"]),
+    (["--parallelism.data_parallel_replicate_degree", "0"], 1, ["--parallelism.data_parallel_replicate_degree 0 must be an integer >= 1"]),
     (["--training.global_batch_size", "8"], 2, ["--training.global_batch_size 8 must be a multiple of "
                                                 "--training.local_batch_size 8 x data-parallel degree 2 = 16"]),
 ])

@@ -97,14 +97,21 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def read_metadata(folder: Path) -> dict[str, Any]:
-    """DCP's key -> storage metadata of a checkpoint folder; a CheckpointError naming the folder if unreadable."""
+RESUME_FIX = "Delete the folder to resume from the previous step, or choose one with --checkpoint.load_step."
+INITIAL_LOAD_FIX = ("--checkpoint.initial_load_path must be a Titan checkpoint step folder (e.g. "
+                    "outputs/checkpoint/step-1000) or a seed checkpoint; for a Hugging Face folder add "
+                    "--checkpoint.initial_load_in_hf.")
+EXPORT_FIX = "Pass a step folder written by Titan's checkpointer or scripts/convert_from_hf.py."
+
+
+def read_metadata(folder: Path, fix: str) -> dict[str, Any]:
+    """DCP's key -> storage metadata of a checkpoint folder; a CheckpointError naming the folder, with `fix`, if
+    unreadable."""
     try:
         return FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     except Exception as error:  # noqa: BLE001 - any failure to read means the same thing to the user
-        raise CheckpointError([f"Checkpoint {folder} has no readable metadata ({type(error).__name__}: {error}). "
-                               f"The folder is missing files or corrupt: delete it to resume from the previous "
-                               f"step, or choose one with --checkpoint.load_step."]) from error
+        raise CheckpointError([f"Checkpoint {folder} has no readable metadata ({root_cause(error)}), so it is not "
+                               f"a complete checkpoint. {fix}"]) from error
 
 
 def root_cause(error: BaseException) -> str:
@@ -112,8 +119,8 @@ def root_cause(error: BaseException) -> str:
     rather than every rank's traceback."""
     failures = getattr(error, "failures", None)
     if failures:
-        first = next(iter(failures.values()))
-        error = getattr(first, "exc", first)
+        # DCP keeps each rank's failure as (exception, traceback summary).
+        error = next(iter(failures.values()))[0]
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
@@ -149,23 +156,21 @@ def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
                                f"<dump_folder>/checkpoint/step-20."])
     prefix = f"{MODEL_KEY}."
     weights = {key.removeprefix(prefix): torch.empty(entry.size, dtype=entry.properties.dtype)
-               for key, entry in read_metadata(folder).items()
+               for key, entry in read_metadata(folder, EXPORT_FIX).items()
                if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)}
     if not weights:
-        raise CheckpointError([f"Checkpoint {folder} holds no model weights. Pass a step folder written by "
-                               f"Titan's checkpointer or scripts/convert_from_hf.py."])
-    read_into({MODEL_KEY: weights}, folder, no_dist=True)
+        raise CheckpointError([f"Checkpoint {folder} holds no model weights. {EXPORT_FIX}"])
+    read_into({MODEL_KEY: weights}, folder, no_dist=True, fix=EXPORT_FIX)
     return weights
 
 
-def read_into(state: dict[str, Any], folder: Path, no_dist: bool) -> None:
+def read_into(state: dict[str, Any], folder: Path, no_dist: bool, fix: str) -> None:
     """dcp.load into `state` in place; missing or corrupt files become a CheckpointError naming the folder."""
     try:
         dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # CheckpointException (per-rank failures) is a BaseException
-        raise CheckpointError([f"Checkpoint {folder} could not be read ({root_cause(error)}). Its files are missing "
-                               f"or corrupt: delete the folder to resume from the previous step, or choose one "
-                               f"with --checkpoint.load_step."]) from error
+        raise CheckpointError([f"Checkpoint {folder} could not be read ({root_cause(error)}): its files are missing "
+                               f"or corrupt. {fix}"]) from error
 
 
 class Checkpointer:
@@ -296,7 +301,7 @@ class Checkpointer:
             return self.start_state()
         folder = self.resume_folder()
         if folder is not None:
-            return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading))
+            return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading), fix=RESUME_FIX)
         if self.cfg.initial_load_path is not None:
             return self.load_initial(Path(self.cfg.initial_load_path))
         logger.info(f"No checkpoint in {self.root}: training starts from step 0")
@@ -311,13 +316,13 @@ class Checkpointer:
             logger.info(f"Loaded Hugging Face weights from {path}")
             return self.start_state()
         if self.cfg.initial_load_model_only:
-            self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY})
+            self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY}, fix=INITIAL_LOAD_FIX)
             return self.start_state()
-        return self.load_folder(path, exclude=set())
+        return self.load_folder(path, exclude=set(), fix=INITIAL_LOAD_FIX)
 
-    def load_folder(self, folder: Path, exclude: set[str]) -> TrainState:
-        """Load every part of `folder` that it holds and `exclude` does not name."""
-        metadata = read_metadata(folder)
+    def load_folder(self, folder: Path, exclude: set[str], fix: str) -> TrainState:
+        """Load every part of `folder` that it holds and `exclude` does not name; `fix` ends read errors."""
+        metadata = read_metadata(folder, fix)
         saved_parts = {key.split(".", 1)[0] for key in metadata}
         model_state = get_model_state_dict(self.model)
         check_model_shapes(folder, metadata, model_state)
@@ -329,7 +334,7 @@ class Checkpointer:
         for part in ("lr_scheduler", "train_state"):
             if part in parts:
                 state[part] = b""
-        self.read(folder, state)
+        self.read(folder, state, fix)
         if MODEL_KEY in state:
             set_model_state_dict(self.model, state[MODEL_KEY])
         if "optimizer" in state:
@@ -339,14 +344,14 @@ class Checkpointer:
         if "train_state" in state:
             saved = TrainState(**pickle.loads(state["train_state"]))
             train_state.step, train_state.tokens_seen = saved.step, saved.tokens_seen
-            state.update(self.load_per_rank_state(folder, metadata, saved, exclude))
+            state.update(self.load_per_rank_state(folder, metadata, saved, exclude, fix))
         skipped = sorted(saved_parts & exclude)
         logger.info(f"Loaded {folder}: step {train_state.step}, {', '.join(sorted(state))} restored"
                     + (f"; not restored: {', '.join(skipped)}" if skipped else ""))
         return train_state
 
     def load_per_rank_state(self, folder: Path, metadata: dict[str, Any], saved: TrainState,
-                            exclude: set[str]) -> dict[str, Any]:
+                            exclude: set[str], fix: str) -> dict[str, Any]:
         """The data position and RNG are per rank: restore them only on the layout they were saved with. Returns
         the parts restored."""
         state: dict[str, Any] = {}
@@ -362,15 +367,15 @@ class Checkpointer:
         state = {part: value for part, value in state.items() if any(k.startswith(part + ".") for k in metadata)}
         if not state:
             return state
-        self.read(folder, state)
+        self.read(folder, state, fix)
         if "dataloader" in state:
             self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
         if "rng" in state:
             set_rng_state(pickle.loads(state["rng"][f"rank_{self.rank}"]), self.device)
         return state
 
-    def read(self, folder: Path, state: dict[str, Any]) -> None:
-        read_into(state, folder, no_dist=not dist.is_initialized())
+    def read(self, folder: Path, state: dict[str, Any], fix: str) -> None:
+        read_into(state, folder, no_dist=not dist.is_initialized(), fix=fix)
 
     def save_seed(self) -> None:
         """Write the freshly initialised weights as step 0 (weights only)."""

@@ -1,14 +1,26 @@
-"""The one exception for user mistakes: bad config values, bad paths, bad input data."""
+"""The errors that end a run with a message of their own: user mistakes (ConfigError) and their common base."""
+
+EXIT_USER_MISTAKE = 2
+EXIT_DIVERGED = 3
+KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED)
+"""Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
 
 
-class ConfigError(Exception):
+class KnownStop(Exception):
+    """An ending that explains itself: titan.exits prints the message without a traceback and the process exits
+    with `exit_code`. `every_rank_stops`: every rank raises it at the same point (so ranks may meet once more)."""
+
+    exit_code: int
+    every_rank_stops = False
+
+
+class ConfigError(KnownStop):
     """A mistake the user can fix by changing the config or the files it points at.
 
-    Holds one line per problem; each line names the field, the value given and what to do.
-    train.py prints the message without a traceback and exits with `exit_code`.
+    Holds one line per problem; each line names the field, the value given and what to do. Exits with code 2.
     """
 
-    exit_code = 2
+    exit_code = EXIT_USER_MISTAKE
 
     def __init__(self, problems: list[str] | str) -> None:
         self.problems = [problems] if isinstance(problems, str) else list(problems)

@@ -6,6 +6,20 @@ Precedence: these defaults < the TOML file given by --job.config_file < command-
 from dataclasses import dataclass, field
 from typing import Literal
 
+from titan.config.domain import (
+    Count,
+    CountOrAuto,
+    Decay,
+    FiniteFloat,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OptionalFraction,
+    PositiveFloat,
+    Seed,
+    StepOrLatest,
+)
+
 # float16 would need loss scaling, which Titan does not do; bfloat16 has float32's range.
 DTypeName = Literal["float32", "bfloat16"]
 
@@ -30,7 +44,7 @@ class Model:
     """Model size: debugmodel (tiny, trains on CPU), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims)."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
     """Tokenizer file in tiktoken format (base64 token and rank per line), e.g. Llama 3's tokenizer.model."""
-    vocab_size_multiple_of: int = 64
+    vocab_size_multiple_of: Count = 64
     """Pad the embedding and output rows up to a multiple of this, so float8 and TP can split them.
     Padded ids are never targets and are dropped from logits returned to users."""
     converters: list[str] = field(default_factory=list)
@@ -44,15 +58,15 @@ class Model:
 class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer. AdamW decouples weight decay from the gradient; Adam adds it to the gradient."""
-    lr: float = 8e-4
+    lr: PositiveFloat = 8e-4
     """Peak learning rate, reached at the end of warmup."""
-    beta1: float = 0.9
+    beta1: Decay = 0.9
     """Adam first-moment decay."""
-    beta2: float = 0.95
+    beta2: Decay = 0.95
     """Adam second-moment decay."""
-    eps: float = 1e-8
+    eps: PositiveFloat = 1e-8
     """Adam denominator epsilon."""
-    weight_decay: float = 0.1
+    weight_decay: NonNegativeFloat = 0.1
     """Weight decay coefficient."""
     implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
     """Optimizer kernel: foreach (multi-tensor, default), fused (single kernel; CUDA or CPU), for-loop."""
@@ -60,14 +74,14 @@ class Optimizer:
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: NonNegativeInt = 200
     """Steps of linear warmup from near zero to --optimizer.lr."""
-    decay_ratio: float | None = None
+    decay_ratio: OptionalFraction = None
     """Fraction of all steps spent decaying at the end of training (WSD schedule). None: decay over
     every step after warmup; 0: no decay (constant after warmup)."""
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay from the peak down to the floor."""
-    min_lr_factor: float = 0.0
+    min_lr_factor: Fraction = 0.0
     """Floor of the decay, as a fraction of --optimizer.lr (0.1 ends at lr/10)."""
 
 
@@ -79,16 +93,16 @@ class Training:
     dataset_path: str | None = None
     """A file, folder or glob for text/jsonl data (text: blank lines separate documents; jsonl: one object
     per line with a "text" field); the dataset name or folder for hf. Unused for shipped."""
-    local_batch_size: int = 8
+    local_batch_size: Count = 8
     """Sequences per device per micro-step."""
-    global_batch_size: int = -1
+    global_batch_size: CountOrAuto = -1
     """Sequences per optimizer step over all data-parallel ranks. Larger than local_batch_size times
     the data-parallel degree means gradient accumulation. -1: no accumulation."""
-    seq_len: int = 2048
+    seq_len: Count = 2048
     """Tokens per sequence."""
-    max_norm: float = 1.0
+    max_norm: FiniteFloat = 1.0
     """Clip the global gradient norm to this value. 0 or less: no clipping (the norm is still reported)."""
-    steps: int = 10000
+    steps: Count = 10000
     """Optimizer steps to train."""
     mixed_precision_param: DTypeName = "bfloat16"
     """Dtype that matmuls and activations run in. float32 turns mixed precision off."""
@@ -96,7 +110,7 @@ class Training:
     """Dtype of gradient reduction across data-parallel ranks."""
     compile: bool = False
     """torch.compile each transformer block and the loss."""
-    seed: int = 42
+    seed: Seed = 42
     """Seed for weight init and data-independent randomness; the same seed gives the same losses."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
@@ -104,7 +118,7 @@ class Training:
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: Count = 10
     """Log metrics every this many steps (and at the first and last step)."""
     enable_tensorboard: bool = False
     """Also write metrics as TensorBoard events under <dump_folder>/<save_tb_folder>."""
@@ -120,7 +134,7 @@ class Profiling:
     """Record torch.profiler traces (Chrome trace JSON) every --profiling.profile_freq steps."""
     save_traces_folder: str = "profile_traces"
     """Trace folder inside the dump folder; one subfolder per profiled step."""
-    profile_freq: int = 10
+    profile_freq: Count = 10
     """Profile one step out of this many (the profiler warms up on the steps before it)."""
     enable_memory_snapshot: bool = False
     """Dump a CUDA memory snapshot (pickle for pytorch.org/memory_viz) every profile_freq steps. CUDA only."""
@@ -130,21 +144,21 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300
+    init_timeout_seconds: Count = 300
     """Timeout for process-group setup and the first collectives."""
-    train_timeout_seconds: int = 100
+    train_timeout_seconds: Count = 100
     """Timeout for each collective once training has started."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: Count = 1
     """Replicas of the model across groups of ranks (HSDP's outer dimension: gradients all-reduced between
     replicas). 1: no replication."""
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: CountOrAuto = -1
     """Ranks that shard parameters, gradients and optimizer state with FSDP2. -1: every rank left over
     after replicate and tensor-parallel degrees."""
-    tensor_parallel_degree: int = 1
+    tensor_parallel_degree: Count = 1
     """Ranks that split each layer's matmuls (Megatron-style, with sequence parallel on the norms). Keep it
     within one node: it communicates every layer."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
@@ -155,9 +169,9 @@ class Parallelism:
     on the shards (more memory and traffic; for debugging)."""
     enable_async_tensor_parallel: bool = False
     """Overlap tensor-parallel communication with matmuls (micro-pipelining). Needs CUDA and --training.compile."""
-    pipeline_parallel_degree: int = 1
+    pipeline_parallel_degree: Count = 1
     """Reserved: pipeline parallelism is not supported yet; must be 1."""
-    context_parallel_degree: int = 1
+    context_parallel_degree: Count = 1
     """Reserved: context parallelism is not supported yet; must be 1."""
 
 
@@ -201,15 +215,15 @@ class Checkpoint:
     complete one in --checkpoint.folder when the run starts."""
     folder: str = "checkpoint"
     """Folder for checkpoints, under --job.dump_folder; each step is a subfolder step-<N>."""
-    interval: int = 500
+    interval: Count = 500
     """Steps between checkpoints."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
     """disabled: training waits for the whole save. async: training waits only while the state is copied to host
     memory; files are written in a background thread. async_with_pinned_mem: the same copy into pinned host
     memory (faster device-to-host copies; CUDA only)."""
-    keep_latest_k: int = 10
+    keep_latest_k: NonNegativeInt = 10
     """Keep the newest k complete checkpoints and delete older ones. 0: keep all."""
-    load_step: int = -1
+    load_step: StepOrLatest = -1
     """Step to resume from. -1: the latest complete checkpoint in --checkpoint.folder."""
     initial_load_path: str | None = None
     """Checkpoint to start from when --checkpoint.folder holds none yet (a step folder of another run, a seed

@@ -19,6 +19,10 @@ else:
     import tomli as tomllib
 
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
+# How users reach Titan's flags; tyro names it in usage lines and in "For full helptext, run ... --help".
+PROGRAM = "./run_train.sh"
+# Values a switch accepts when a user writes it TOML-style (`--training.compile true`).
+SWITCH_VALUES = {"true": True, "false": False}
 
 
 def parse_args(argv: list[str]) -> JobConfig:
@@ -26,10 +30,44 @@ def parse_args(argv: list[str]) -> JobConfig:
     tyro itself reports unknown flags and badly typed flag values, with exit code 2."""
     config_file = find_config_file(argv)
     base = load_toml(Path(config_file)) if config_file else JobConfig()
-    cfg = tyro.cli(JobConfig, args=argv, default=base, use_underscores=True,
+    cfg = tyro.cli(JobConfig, args=switches_without_values(argv), default=base, use_underscores=True, prog=PROGRAM,
                    description="Titan: train Llama models. Flags override the TOML file in --job.config_file.")
     split_comma_lists(cfg)
     return cfg
+
+
+def switch_flags() -> set[str]:
+    """`--section.name` of every boolean field."""
+    return {f"--{section.name}.{f.name}" for section in dataclasses.fields(JobConfig)
+            for f in dataclasses.fields(section.type) if typing.get_type_hints(section.type)[f.name] is bool}
+
+
+def switches_without_values(argv: list[str]) -> list[str]:
+    """Rewrite `--x.flag true|false` and `--x.flag=true|false` (as TOML users type them) into tyro's switches
+    `--x.flag` / `--x.no_flag`. Titan takes no positional arguments, so a word right after a switch is its value."""
+    switches = switch_flags()
+    rewritten: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, sep, value = argv[i].partition("=")
+        if name in switches and not sep and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            i += 1
+            sep, value = "=", argv[i]
+        if name not in switches or not sep:
+            rewritten.append(argv[i])
+        elif value.lower() in SWITCH_VALUES:
+            rewritten.append(name if SWITCH_VALUES[value.lower()] else negated(name))
+        else:
+            raise ConfigError(f"{name} is a switch and can't take {value!r}: write {name} (or {name} true) to turn "
+                              f"it on, {negated(name)} (or {name} false) to turn it off.")
+        i += 1
+    return rewritten
+
+
+def negated(flag: str) -> str:
+    """tyro's off switch for a boolean flag: --training.compile -> --training.no_compile."""
+    section, name = flag.removeprefix("--").split(".", 1)
+    return f"--{section}.no_{name}"
 
 
 def find_config_file(argv: list[str]) -> str | None:
@@ -47,13 +85,7 @@ def find_config_file(argv: list[str]) -> str | None:
 
 def load_toml(path: Path) -> JobConfig:
     """Read a TOML job file into a JobConfig, reporting every unknown name and wrong type at once."""
-    if not path.is_file():
-        raise ConfigError(f"--job.config_file {str(path)!r} does not exist. Pass an existing TOML file, "
-                          f"e.g. configs/debug_model.toml.")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}. Fix the file at that line.") from None
+    data = read_toml(path)
     problems: list[str] = []
     sections = {}
     section_types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
@@ -70,6 +102,26 @@ def load_toml(path: Path) -> JobConfig:
     cfg = JobConfig(**sections)
     cfg.job.config_file = str(path)
     return cfg
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    """The tables of a TOML job file, UTF-8 with or without a byte-order mark (Windows editors write one)."""
+    flag = f"--job.config_file {str(path)!r}"
+    if path.is_dir():
+        raise ConfigError(f"{flag} is a folder, not a TOML file. Pass a file such as configs/debug_model.toml.")
+    if not path.exists():
+        raise ConfigError(f"{flag} does not exist. Pass an existing TOML file, e.g. configs/debug_model.toml.")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise ConfigError(f"{flag} can't be read ({e.strerror}). Check the file's permissions.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}). "
+                          f"TOML files must be UTF-8: save it as UTF-8.") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}. Fix the file at that line.") from None
 
 
 def build_section(cls: type, section_name: str, table: dict[str, Any], path: Path, problems: list[str]) -> Any:
@@ -108,7 +160,9 @@ def convert_value(value: Any, hint: Any) -> tuple[Any, str | None]:
     if hint is int:
         return (value, None) if isinstance(value, int) and not isinstance(value, bool) else (None, "an integer")
     if hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        # TOML integers have no size limit in tomllib; one beyond float's range is not a usable number either.
+        ok = isinstance(value, float) or (isinstance(value, int) and not isinstance(value, bool)
+                                          and abs(value) < 2**1023)
         return (float(value), None) if ok else (None, "a number")
     if hint is str:
         return (value, None) if isinstance(value, str) else (None, "a string")

@@ -1,19 +1,28 @@
-"""Cross-field config rules, checked once right after parsing and before any model or process-group work.
+"""Config rules, checked once right after parsing and before any model or process-group work.
 
-Each rule is one function returning a problem line (or None); validate() runs all of them and raises a
-single ConfigError listing every problem, so a user fixes them in one go.
+First every numeric field against the range its type declares (titan/config/domain.py), then the cross-field
+rules: each is one function returning a problem line (or None). validate() runs all of them and raises a single
+ConfigError listing every problem, so a user fixes them in one go.
 """
 
+import dataclasses
+import difflib
 import glob
 import os
+import re
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
+from titan.config.domain import field_range
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
+from titan.models.llama.model import Transformer
+
+Rule = Callable[[JobConfig, int], str | list[str] | None]
 
 # Model converters this build provides; each converter issue registers its name here.
 AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx")
@@ -22,21 +31,34 @@ FLOAT8_MIN_CAPABILITY = (8, 9)
 # Block-scaled (MX) matmuls need SM100+ (Blackwell).
 MX_MIN_CAPABILITY = (10, 0)
 
-POSITIVE_FIELDS = (
-    ("training", "steps"), ("training", "local_batch_size"), ("training", "seq_len"),
-    ("metrics", "log_freq"), ("profiling", "profile_freq"), ("model", "vocab_size_multiple_of"),
-    ("comm", "init_timeout_seconds"), ("comm", "train_timeout_seconds"), ("checkpoint", "interval"),
-)
+
+def check_domains(cfg: JobConfig) -> tuple[list[str], set[str]]:
+    """Every numeric field against the Range declared on its type (titan/config/domain.py). Returns the problems
+    and the "section.name" of each field out of its range."""
+    problems: list[str] = []
+    bad_fields: set[str] = set()
+    defaults = JobConfig()
+    for section_field in dataclasses.fields(cfg):
+        section = getattr(cfg, section_field.name)
+        for f in dataclasses.fields(section):
+            domain = field_range(type(section), f.name)
+            value = getattr(section, f.name)
+            if domain is None or value is None or domain.contains(value):
+                continue
+            name = f"{section_field.name}.{f.name}"
+            default = getattr(getattr(defaults, section_field.name), f.name)
+            problems.append(f"--{name} {value} must be {domain.describe()}. Try {default} (the default).")
+            bad_fields.add(name)
+    return problems, bad_fields
 
 
-def check_positive(cfg: JobConfig) -> list[str]:
-    """Counts and sizes that must be at least 1."""
-    problems = []
-    for section, name in POSITIVE_FIELDS:
-        value = getattr(getattr(cfg, section), name)
-        if value < 1:
-            problems.append(f"--{section}.{name} must be at least 1 (got {value}).")
-    return problems
+def needs_in_range(*fields: str) -> Callable[[Rule], Rule]:
+    """Mark a rule that computes with these fields ("section.name"): validate() skips it while any of them is
+    out of its range, since that problem is already reported and the rule could divide by zero."""
+    def mark(rule: Rule) -> Rule:
+        rule.needs_in_range = fields  # type: ignore[attr-defined]
+        return rule
+    return mark
 
 
 def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
@@ -47,6 +69,7 @@ def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
+@needs_in_range("training.local_batch_size", "training.global_batch_size", "parallelism.tensor_parallel_degree")
 def check_global_batch(cfg: JobConfig, world_size: int) -> str | None:
     t = cfg.training
     dp_degree = data_parallel_degree(cfg, world_size)
@@ -67,6 +90,38 @@ def check_converters(cfg: JobConfig, world_size: int) -> str | None:
     return f"--model.converters has unknown converter(s) {', '.join(map(repr, unknown))}. Available: {available}."
 
 
+def linear_fqns(flavor: str) -> list[str]:
+    """FQNs of the linear layers of --model.flavor, from a model built on the meta device (no memory, a few ms
+    even for 405B). Layer names do not depend on the vocabulary or sequence length."""
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS[flavor])
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
+    """A filter entry that matches no layer keeps nothing out, so the layer it was meant to protect (after a typo
+    or a rename) would silently train in low precision."""
+    filters = {"float8": cfg.float8.filter_fqns, "mx": cfg.mx.filter_fqns}
+    used = [name for name in filters if name in cfg.model.converters]
+    if not used:
+        return []
+    fqns = linear_fqns(cfg.model.flavor)
+    # Every dotted suffix of an FQN ("wq", "attention.wq", ...) is a plausible filter entry to suggest.
+    suffixes = sorted({".".join(fqn.split(".")[i:]) for fqn in fqns for i in range(len(fqn.split(".")))})
+    layer_kinds = sorted({re.sub(r"^layers\.\d+\.", "", fqn) for fqn in fqns})
+    problems = []
+    for name in used:
+        for entry in filters[name]:
+            if any(entry in fqn for fqn in fqns):
+                continue
+            close = difflib.get_close_matches(entry, suffixes, n=3, cutoff=0.5)
+            nearest = (f"Closest FQNs: {', '.join(close)}." if close else
+                       f"Its linear layers (the layers.<i>. prefix left out): {', '.join(layer_kinds)}.")
+            problems.append(f"--{name}.filter_fqns {entry!r} matches no linear layer of --model.flavor "
+                            f"{cfg.model.flavor}, so it would keep nothing in high precision. {nearest}")
+    return problems
+
+
 def check_tokenizer_path(cfg: JobConfig, world_size: int) -> str | None:
     if resolve_path(cfg.model.tokenizer_path).is_file():
         return None
@@ -85,18 +140,18 @@ def check_dataset_path(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
-def check_lr_schedule(cfg: JobConfig, world_size: int) -> list[str]:
-    problems = []
-    if cfg.optimizer.lr <= 0:
-        problems.append(f"--optimizer.lr must be positive (got {cfg.optimizer.lr}).")
-    s = cfg.lr_scheduler
-    if s.warmup_steps < 0:
-        problems.append(f"--lr_scheduler.warmup_steps must be 0 or more (got {s.warmup_steps}).")
-    if s.decay_ratio is not None and not 0.0 <= s.decay_ratio <= 1.0:
-        problems.append(f"--lr_scheduler.decay_ratio must be between 0 and 1 (got {s.decay_ratio}).")
-    if not 0.0 <= s.min_lr_factor <= 1.0:
-        problems.append(f"--lr_scheduler.min_lr_factor must be between 0 and 1 (got {s.min_lr_factor}).")
-    return problems
+def check_dump_folder(cfg: JobConfig, world_size: int) -> str | None:
+    """The dump folder must be a folder, or creatable: its nearest existing ancestor a writable folder."""
+    given = cfg.job.dump_folder
+    folder = Path(given).expanduser().absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    fix = "Choose another --job.dump_folder."
+    if not existing.is_dir():
+        where = "is a file" if existing == folder else f"is below the file {existing}"
+        return f"--job.dump_folder {given!r} {where}, not a folder. {fix}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--job.dump_folder {given!r} can't be written: {existing} is not writable by this user. {fix}"
+    return None
 
 
 def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
@@ -114,14 +169,12 @@ def check_reserved_parallelisms(cfg: JobConfig, world_size: int) -> list[str]:
              ("context_parallel_degree", par.context_parallel_degree, "context")) if value != 1]
 
 
+@needs_in_range("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                "parallelism.tensor_parallel_degree")
 def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
     par = cfg.parallelism
     replicate, shard, tp = (par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
                             par.tensor_parallel_degree)
-    if replicate < 1 or tp < 1 or (shard < 1 and shard != -1):
-        return (f"parallel degrees must be at least 1 (data_parallel_shard_degree may be -1): got "
-                f"--parallelism.data_parallel_replicate_degree {replicate}, --parallelism.data_parallel_shard_degree "
-                f"{shard}, --parallelism.tensor_parallel_degree {tp}.")
     fixed = replicate * tp * (1 if shard == -1 else shard)
     if (shard == -1 and world_size % fixed == 0) or fixed == world_size:
         return None
@@ -220,10 +273,6 @@ def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
 def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     ckpt = cfg.checkpoint
     problems = []
-    if ckpt.keep_latest_k < 0:
-        problems.append(f"--checkpoint.keep_latest_k {ckpt.keep_latest_k} must be 0 (keep all) or a positive count.")
-    if ckpt.load_step < -1:
-        problems.append(f"--checkpoint.load_step {ckpt.load_step} must be a step number or -1 (the latest).")
     unknown = [part for part in ckpt.exclude_from_loading if part not in CHECKPOINT_PARTS]
     if unknown:
         problems.append(f"--checkpoint.exclude_from_loading has unknown part(s) {', '.join(map(repr, unknown))}. "
@@ -252,9 +301,9 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
     return max(world_size // max(cfg.parallelism.tensor_parallel_degree, 1), 1)
 
 
-RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
-    check_seq_len, check_global_batch, check_converters, check_tokenizer_path, check_dataset_path,
-    check_lr_schedule, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
+RULES: tuple[Rule, ...] = (
+    check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
+    check_dataset_path, check_dump_folder, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
     check_float8_hardware, check_mx_hardware, check_checkpoint,
 )
@@ -262,11 +311,10 @@ RULES: tuple[Callable[[JobConfig, int], str | list[str] | None], ...] = (
 
 def validate(cfg: JobConfig, world_size: int) -> None:
     """Raise one ConfigError listing every problem in `cfg` for a run of `world_size` processes."""
-    problems = check_positive(cfg)
-    if problems:
-        # Later rules divide by these counts; report them alone first.
-        raise ConfigError(problems)
+    problems, bad_fields = check_domains(cfg)
     for rule in RULES:
+        if bad_fields.intersection(getattr(rule, "needs_in_range", ())):
+            continue
         found = rule(cfg, world_size)
         if isinstance(found, str):
             problems.append(found)

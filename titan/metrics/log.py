@@ -8,6 +8,8 @@ import logging
 import os
 import sys
 
+from titan.config.errors import ConfigError
+
 logger = logging.getLogger("titan")
 
 
@@ -19,7 +21,11 @@ def current_rank() -> int:
 def logging_ranks() -> set[int]:
     """Ranks whose info lines are printed, from LOG_RANK ("0", "0,1", ...)."""
     value = os.environ.get("LOG_RANK", "0")
-    return {int(r) for r in value.split(",") if r.strip()}
+    parts = [part.strip() for part in value.split(",") if part.strip()]
+    if not parts or not all(part.isdigit() for part in parts):
+        raise ConfigError(f"LOG_RANK={value!r} must list the ranks that print info, as comma-separated whole "
+                          f"numbers: LOG_RANK=0 (the default) or LOG_RANK=0,1.")
+    return {int(part) for part in parts}
 
 
 class _RankFilter(logging.Filter):

@@ -4,11 +4,15 @@ import math
 
 from torch import nn
 
+from titan.config.errors import EXIT_DIVERGED, KnownStop
 
-class NonFiniteLossError(RuntimeError):
-    """The run stopped because the loss or gradient norm stopped being finite. train.py exits with `exit_code`."""
 
-    exit_code = 3
+class NonFiniteLossError(KnownStop):
+    """The run stopped because the loss or gradient norm stopped being finite; exits with code 3. Every rank
+    sees the same global loss and norm, so every rank raises it at the same step."""
+
+    exit_code = EXIT_DIVERGED
+    every_rank_stops = True
 
 
 def first_nonfinite_grad(model: nn.Module) -> str | None:

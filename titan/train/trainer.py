@@ -52,7 +52,8 @@ def set_seed(seed: int, deterministic: bool) -> None:
 
 
 def write_config(cfg: JobConfig, dump_folder: Path) -> None:
-    """Save the resolved config so `--job.config_file <dump_folder>/config.toml` reruns this job."""
+    """Save the resolved config so `--job.config_file <dump_folder>/config.toml` reruns this job. Written only once
+    the job has started, so an attempt that fails to start (a bad resume, say) never replaces a run's record."""
     dump_folder.mkdir(parents=True, exist_ok=True)
     text = to_toml(cfg)
     (dump_folder / "config.toml").write_text(text)
@@ -69,8 +70,6 @@ class Trainer:
         init_distributed(cfg.comm, self.device, world_size)
         self.mesh = build_mesh(self.dims, self.device)
         self.dump_folder = Path(cfg.job.dump_folder)
-        if self.rank == 0:
-            write_config(cfg, self.dump_folder)
         set_seed(cfg.training.seed, cfg.training.deterministic)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
@@ -238,6 +237,8 @@ class Trainer:
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
         --checkpoint.interval (and at the last step)."""
+        if self.rank == 0:
+            write_config(self.cfg, self.dump_folder)
         if self.cfg.checkpoint.create_seed_checkpoint:
             self.checkpointer.save_seed()
             return

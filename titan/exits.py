@@ -1,0 +1,68 @@
+"""How a Titan process ends: the one handler that train.py, the launcher and the scripts run their work under.
+
+Exit codes: 0 finished; 2 a user mistake (ConfigError: config, paths, data, checkpoints); 3 the run diverged
+(NonFiniteLossError). Known stops print their message and no traceback. A rank that stops tells its peers
+through the process group's store first: a peer whose next collective then fails (gloo: "Connection closed by
+peer") prints one line naming that rank and exits with the same code, instead of a traceback that buries the
+stopped rank's message.
+"""
+
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from titan.config.errors import KnownStop
+from titan.metrics.log import logger
+
+STOP_KEY = "titan/first_stop"
+"""Store key holding "<rank> <exit code>" of the first rank that stopped with a known error."""
+PEER_STOP_WAIT = timedelta(seconds=10)
+"""How long a rank whose collective failed waits for a peer's stop notice before treating the failure as its own."""
+
+
+def run_main(body: Callable[[], int | None], on_exit: Callable[[bool], None] | None = None) -> int:
+    """Run `body` and return the process exit code. `on_exit(ranks_agree)` runs last in every case; ranks_agree
+    says every rank reached the same point (a finished run, or a stop every rank raises), so they may still meet."""
+    ranks_agree = False
+    try:
+        code = body() or 0
+        ranks_agree = True
+        return code
+    except KnownStop as stop:
+        logger.error(str(stop))
+        announce_stop(stop.exit_code)
+        ranks_agree = stop.every_rank_stops
+        return stop.exit_code
+    except RuntimeError as error:  # gloo and NCCL report a vanished peer as RuntimeError (or its DistError subclasses)
+        peer = peer_stop()
+        if peer is None:
+            raise
+        rank, code = peer
+        logger.error(f"Stopping because rank {rank} stopped first with exit code {code}; its message says why. "
+                     f"(This rank's collective failed then: {str(error).splitlines()[0][:200]})")
+        return code
+    finally:
+        if on_exit is not None:
+            on_exit(ranks_agree)
+
+
+def announce_stop(exit_code: int) -> None:
+    """Record this rank's stop in the store, unless another rank's came first."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # The store is the process group's rendezvous store; torch exposes it only through this private getter.
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(STOP_KEY, "", f"{dist.get_rank()} {exit_code}")
+
+
+def peer_stop() -> tuple[int, int] | None:
+    """(rank, exit code) of a peer that announced its stop, waiting PEER_STOP_WAIT for it; None if none did."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.wait([STOP_KEY], PEER_STOP_WAIT)
+        rank, code = store.get(STOP_KEY).decode().split()
+    except (RuntimeError, ValueError):  # no notice in time: the failure is this rank's own
+        return None
+    return int(rank), int(code)
