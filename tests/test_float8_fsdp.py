@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from float8_fsdp_harness import STEPS, VARIANTS
-from titan.quant.float8.casts import E4M3, dequantize, tensorwise_cast
-from titan.quant.float8.fsdp import (
-    Float8AllGatherWeight, Float8GatheredWeight, apply_float8_all_gather, weight_float8_tensorwise,
-)
+from titan.quant.float8.casts import dequantize, tensorwise_cast
+from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gather
+from titan.quant.float8.gathered import Float8GatheredWeight, weight_float8_tensorwise
 from titan.quant.float8.linear import Float8Linear
+from titan.quant.formats import E4M3
 from torchrun import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from titan.quant.float8.casts import E4M3, E5M2, dequantize, rowwise_cast, tensorwise_cast
-from titan.quant.float8.fsdp import weight_float8_tensorwise
+from titan.quant.float8.casts import dequantize, rowwise_cast, tensorwise_cast
+from titan.quant.float8.gathered import weight_float8_tensorwise
+from titan.quant.formats import E4M3, E5M2
 from titan.quant.quantized_linear import QuantizedLinear
 
 
