@@ -16,8 +16,8 @@ from torch import nn
 from float8_fsdp_harness import STEPS, VARIANTS
 from titan.quant.float8.casts import dequantize, tensorwise_cast
 from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gather
-from titan.quant.float8.gathered import Float8GatheredWeight, weight_float8_tensorwise
-from titan.quant.float8.linear import Float8Linear
+from titan.quant.float8.gathered import Float8GatheredWeight
+from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear, cast_operand
 from titan.quant.formats import E4M3
 from torchrun import run_torchrun
 
@@ -157,22 +157,21 @@ def test_float8_linear_with_wrapped_weight_matches_plain() -> None:
 def test_gathered_weight_gives_its_data_and_scale_without_recasting() -> None:
     data, scale = tensorwise_cast(torch.randn(48, 64), E4M3)
     gathered = Float8GatheredWeight(data, scale, torch.bfloat16)
-    got_data, got_scale = weight_float8_tensorwise(gathered)
+    got_data, got_scale = cast_operand(gathered, TENSORWISE_E4M3, contraction_dim=0)
     assert got_data is data and got_scale is scale
+    # The forward multiplies by weight^T: a view of the same bytes, with the same scale.
+    got_data, got_scale = cast_operand(gathered.t(), TENSORWISE_E4M3, contraction_dim=0)
+    assert got_data.data_ptr() == data.data_ptr() and got_data.shape == (64, 48) and got_scale is scale
     # Any other op sees the dequantized weight; writes are refused (FSDP discards the gathered weight).
     torch.testing.assert_close(gathered + 0, dequantize(data, scale, torch.bfloat16), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="all-gathered float8 weight"):
         gathered.add_(1)
 
 
-def test_plain_weight_is_cast_tensorwise() -> None:
-    weight = torch.randn(48, 64)
-    for got, expected in zip(weight_float8_tensorwise(weight), tensorwise_cast(weight, E4M3)):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_rowwise_weights_are_refused() -> None:
-    model = nn.Sequential(Float8Linear.from_linear(nn.Linear(64, 48), recipe_name="rowwise", emulate=False))
+@pytest.mark.parametrize("recipe_name", ["rowwise", "rowwise_with_gw_hp"])
+def test_weights_cast_axiswise_are_refused(recipe_name: str) -> None:
+    """Both recipes scale the weight per row in the output matmul, which one gathered scale cannot serve."""
+    model = nn.Sequential(Float8Linear.from_linear(nn.Linear(64, 48), recipe_name=recipe_name, emulate=False))
     with pytest.raises(ValueError, match="--float8.recipe_name tensorwise"):
         apply_float8_all_gather(model)
 

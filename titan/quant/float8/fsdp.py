@@ -9,7 +9,7 @@ that same scale (its global amax comes from an all-reduce MAX over the FSDP mesh
     fully_shard(...)                  FSDP2 calls the wrapper's fsdp_pre/post_all_gather hooks (torch's
                                       all-gather extensions, torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
     forward / backward                the unsharded weight is a Float8GatheredWeight (float8/gathered.py): float8
-                                      data + scale, read by Float8Linear through weight_float8_tensorwise
+                                      data + scale, which Float8Linear multiplies without casting again
     optimizer.step()
     precompute_float8_scales(model)   optional: every weight's global amax in one all-reduce
 """
@@ -28,8 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from titan.metrics.log import logger
 from titan.quant.float8.casts import amax_to_scale, cast_to_float8
 from titan.quant.float8.gathered import Float8GatheredWeight, mutated_args
-from titan.quant.float8.linear import Float8Linear
-from titan.quant.formats import E4M3
+from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear
 
 aten = torch.ops.aten
 
@@ -118,8 +117,8 @@ class Float8AllGatherWeight(torch.Tensor):
         else:
             amax = shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        scale = amax_to_scale(amax, E4M3, round_to_power_of_2=False)
-        data = cast_to_float8(shard, E4M3, scale).view(torch.uint8)
+        scale = amax_to_scale(amax, TENSORWISE_E4M3.dtype, TENSORWISE_E4M3.power_of_2)
+        data = cast_to_float8(shard, TENSORWISE_E4M3.dtype, scale).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
         if data.size(0) < padded_rows:  # uneven sharding: FSDP all-gathers equal-sized shards
             padded = data.new_zeros((padded_rows, *data.shape[1:]))
@@ -136,7 +135,7 @@ class Float8AllGatherWeight(torch.Tensor):
         if out is not None:
             out._scale = metadata
             return None
-        data = gathered.view(E4M3)
+        data = gathered.view(TENSORWISE_E4M3.dtype)
         return Float8GatheredWeight(data, metadata, param_dtype), (data,)
 
 
@@ -146,7 +145,9 @@ def apply_float8_all_gather(model: nn.Module) -> int:
     num_wrapped = 0
     for module in model.modules():
         if isinstance(module, Float8Linear) and not isinstance(module.weight, Float8AllGatherWeight):
-            if module.recipe.name != "tensorwise":
+            # The output and grad_input matmuls both take the gathered weight as it is, so both must cast it so.
+            weight_casts = (module.recipe.output[1], module.recipe.grad_input[1])
+            if any(cast != TENSORWISE_E4M3 for cast in weight_casts):
                 raise ValueError(f"The float8 all-gather needs the tensorwise recipe, but a Float8Linear uses "
                                  f"{module.recipe.name!r}. Use --float8.recipe_name tensorwise or turn off "
                                  f"--float8.enable_fsdp_float8_all_gather.")

@@ -10,14 +10,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from titan.quant.float8.casts import dequantize, tensorwise_cast
-from titan.quant.formats import E4M3
+from titan.quant.float8.casts import dequantize
 
 aten = torch.ops.aten
 
-# Views that keep the float8 bytes and the scale: FSDP as_strides the gathered buffer to the weight's size, and
-# nn.Parameter detaches it.
-FLOAT8_VIEW_OPS = {aten.as_strided.default, aten.detach.default}
+# Views that keep the float8 bytes and the scale: FSDP as_strides the gathered buffer to the weight's size,
+# nn.Parameter detaches it, and Float8Linear transposes it for the forward's weight^T.
+FLOAT8_VIEW_OPS = {aten.as_strided.default, aten.detach.default, aten.t.default}
 
 
 def mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
@@ -36,7 +35,7 @@ def mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list
 class Float8GatheredWeight(torch.Tensor):
     """The all-gathered weight: float8 e4m3 `_data` and its fp32 0-dim `_scale`, posing as a `dtype` tensor of
     the weight's shape (autograd checks the weight's gradient against that dtype). Float8Linear reads data and
-    scale through `weight_float8_tensorwise`; any other op sees the dequantized weight."""
+    scale directly; any other op sees the dequantized weight."""
 
     _data: Tensor
     _scale: Tensor
@@ -77,11 +76,3 @@ class Float8GatheredWeight(torch.Tensor):
             return dequantize(weight._data, weight._scale, weight.dtype)
 
         return func(*tree_map_only(cls, high_precision, args), **tree_map_only(cls, high_precision, kwargs))
-
-
-def weight_float8_tensorwise(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(float8 e4m3 data, fp32 0-dim scale) of `weight`: taken from the float8 all-gather when FSDP produced it,
-    else cast here from the high-precision weight."""
-    if isinstance(weight, Float8GatheredWeight):
-        return weight._data, weight._scale
-    return tensorwise_cast(weight, E4M3)
