@@ -1,6 +1,7 @@
 """Float8Linear numerics against torchao's recipes and the spec reference, the conversion rules and report, and
 float8 training on the debug model."""
 
+import logging
 import math
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from debug_training import DEBUG_TOML, train_losses
+from debug_training import DEBUG_TOML, train, train_losses
 from float8_codes import assert_codes_equal
 from reference import float8_ref as ref
 from titan.config.check import load_job_config
@@ -239,14 +240,36 @@ def fp32_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return train_losses(tmp_path_factory.mktemp("fp32"), "--training.steps", "15")
 
 
+# Every linear of the debug model's 6 blocks; the output projection is the 43rd, kept by the default filter.
+DEBUG_MODEL_BLOCK_LINEAR_FQNS = {f"layers.{i}.{name}" for i in range(6) for name in (
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+    "feed_forward.w3")}
+
+
+def float8_rows_of_report(records: list[logging.LogRecord]) -> tuple[set[str], str]:
+    """(FQNs of the layers the logged conversion report says went to float8, its closing count line)."""
+    report = next(r.getMessage() for r in records if r.getMessage().startswith("Model conversion report"))
+    lines = report.splitlines()
+    rows = lines[2:-1]  # between the title and column header lines and the count
+    return {row.split()[0] for row in rows if row.split()[2] == "float8"}, lines[-1]
+
+
 @pytest.mark.parametrize("recipe_name", RECIPE_NAMES)
-def test_debug_model_trains_in_float8(tmp_path: Path, recipe_name: str, fp32_losses: list[float]) -> None:
-    """Short CI version of scripts/bench_float8.py --loss-curve: 15 steps, float8 tracks fp32 closely.
-    Emulated (CPU float8 matmuls are slow); native matmuls are checked equal to emulated above."""
+def test_debug_model_converts_and_trains_in_float8(tmp_path: Path, recipe_name: str, fp32_losses: list[float],
+                                                   titan_records: list[logging.LogRecord]) -> None:
+    """The trainer swaps every block linear for a Float8Linear of the recipe, as its conversion report says, and
+    float8 tracks fp32 closely: a short CI version of scripts/bench_float8.py --loss-curve, 15 steps. Emulated (CPU
+    float8 matmuls are slow); native matmuls are checked equal to emulated above."""
+    trainer, float8 = train(tmp_path / recipe_name, "--training.steps", "15", "--model.converters", "float8",
+                            "--float8.recipe_name", recipe_name, "--float8.emulate")
+    converted = {fqn: module for fqn, module in trainer.model.named_modules() if isinstance(module, Float8Linear)}
+    assert converted.keys() == DEBUG_MODEL_BLOCK_LINEAR_FQNS
+    assert all(module.recipe is RECIPES[recipe_name] and module.emulate for module in converted.values())
+    reported, count = float8_rows_of_report(titan_records)
+    assert reported == converted.keys() and count == "42 of 43 linear layers converted"
     fp32 = fp32_losses
-    float8 = train_losses(tmp_path / recipe_name, "--training.steps", "15", "--model.converters", "float8",
-                          "--float8.recipe_name", recipe_name, "--float8.emulate")
     assert all(math.isfinite(loss) for loss in float8)
+    assert float8 != fp32  # the float8 matmuls ran
     assert float8[-1] < float8[0] - 0.5
     assert abs(float8[-1] - fp32[-1]) < 0.05, (float8[-1], fp32[-1])
 
