@@ -18,9 +18,9 @@ from torch import nn
 
 from titan.config.validate import MX_MIN_CAPABILITY
 from titan.metrics.log import init_logger
-from titan.quant.float8.casts import E4M3
+from titan.quant.formats import E4M3, MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
-from titan.quant.mx.numerics import BLOCK_SIZE, torch_quantize
+from titan.quant.mx.numerics import torch_quantize
 
 HBM_BYTES_PER_SECOND = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8.0e12}
 """Peak memory bandwidth of the SXM parts (NVIDIA data sheets), to put the kernel's GB/s in proportion."""
@@ -43,9 +43,9 @@ def bench_quantize(rows: int, cols: int, repeats: int) -> None:
     dtype = torch.bfloat16
     x = torch.randn(rows, cols, device=device, dtype=dtype)
     # read x once, write one byte per element and one scale byte per block
-    moved_bytes = x.numel() * x.element_size() + x.numel() + x.numel() // BLOCK_SIZE
+    moved_bytes = x.numel() * x.element_size() + x.numel() + x.numel() // MX_BLOCK_SIZE
     peak = peak_bandwidth(device)
-    print(f"MX quantize (E4M3, blocks of {BLOCK_SIZE}) of a {rows}x{cols} {dtype} tensor on {device}"
+    print(f"MX quantize (E4M3, blocks of {MX_BLOCK_SIZE}) of a {rows}x{cols} {dtype} tensor on {device}"
           + (f" ({torch.cuda.get_device_name(device)}, peak {peak / 1e9:,.0f} GB/s)" if peak else ""))
     print(f"{'implementation':<18} {'blocks along':<15} {'us':>10} {'GB/s':>10}" + (f" {'% of peak':>10}" if peak else ""))
     implementations = [("torch eager", torch_quantize),
@@ -56,7 +56,7 @@ def bench_quantize(rows: int, cols: int, repeats: int) -> None:
         implementations.append(("triton", triton_quantize))
     for name, quantize in implementations:
         for dim, label in ((-1, "rows (dim -1)"), (0, "columns (dim 0)")):
-            seconds = median_seconds(lambda: quantize(x, BLOCK_SIZE, E4M3, dim), repeats, device)
+            seconds = median_seconds(lambda: quantize(x, MX_BLOCK_SIZE, E4M3, dim), repeats, device)
             gigabytes_per_second = moved_bytes / seconds / 1e9
             line = f"{name:<18} {label:<15} {seconds * 1e6:10.1f} {gigabytes_per_second:10.1f}"
             if peak:

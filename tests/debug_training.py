@@ -10,10 +10,17 @@ ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
 
 
-def train_losses(tmp_path: Path, *args: str) -> list[float]:
-    """Per-step losses of the debug model at seq_len 64, batch 4, lr 2e-3 with 2 warmup steps, plus `args`."""
+def train(tmp_path: Path, *args: str) -> tuple[Trainer, list[float]]:
+    """The debug model trained at seq_len 64, batch 4, lr 2e-3 with 2 warmup steps, plus `args`: the trainer after
+    its run, and the loss of every step."""
     argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), "--training.seq_len", "64",
             "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--optimizer.lr", "2e-3",
             "--lr_scheduler.warmup_steps", "2", *args]
-    Trainer(load_job_config(argv, world_size=1), world_size=1).run()
-    return [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
+    trainer.run()
+    return trainer, [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(tmp_path: Path, *args: str) -> list[float]:
+    """The loss of every step of `train`."""
+    return train(tmp_path, *args)[1]

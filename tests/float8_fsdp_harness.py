@@ -25,8 +25,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.quant.float8.fsdp import (  # noqa: E402
-    Float8AllGatherWeight, Float8GatheredWeight, apply_float8_all_gather, precompute_float8_scales,
+    Float8AllGatherWeight, apply_float8_all_gather, precompute_float8_scales,
 )
+from titan.quant.float8.gathered import Float8GatheredWeight  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 

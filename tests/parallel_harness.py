@@ -5,6 +5,7 @@
 The whole pipeline is Titan's own (parallelize, init, loss, clipping, optimizer); only the batches differ
 for a reference run: with DATA_SHARDS = D > 1 on one process, each step reads the batches of data-parallel
 ranks 0..D-1 and concatenates them, so it sees exactly the global batch that D data-parallel ranks see.
+Under FSDP it also saves what one more forward put on the wire: the bytes each rank sent into all-gathers.
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,6 +24,7 @@ from titan.config.check import load_job_config  # noqa: E402
 from titan.data.loader import build_dataloader  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
+from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 
@@ -33,6 +36,34 @@ def concatenated_shards(trainer: Trainer, num_shards: int) -> Iterator[tuple[tor
     while True:
         batches = [next(it) for it in iterators]
         yield torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+
+
+class AllGatherBytes(TorchDispatchMode):
+    """Counts the bytes this rank sends into c10d all-gathers, the collective FSDP2 gathers parameters with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_bytes = 0
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple, args: tuple = (),
+                           kwargs: dict | None = None) -> object:
+        if func is torch.ops.c10d._allgather_base_.default:
+            sent = args[1]  # (output, input, process group, async_op)
+            self.num_bytes += sent.numel() * sent.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
+    """The bytes this rank sends in the all-gathers of one forward, with what they should add up to: each
+    parameter's (global) shape, and which linears are Float8Linear. The last backward resharded every parameter,
+    so the forward gathers each of them once."""
+    counter = AllGatherBytes()
+    with torch.no_grad(), counter:
+        trainer.model(inputs.to(trainer.device))
+    return {"all_gather_bytes": counter.num_bytes,
+            "parameter_shapes": {name: tuple(p.shape) for name, p in trainer.model.named_parameters()},
+            "float8_linear_fqns": sorted(fqn for fqn, module in trainer.model.named_modules()
+                                         if isinstance(module, Float8Linear))}
 
 
 def main() -> None:
@@ -49,8 +80,11 @@ def main() -> None:
         weights = {name: value.detach().cpu() for name, value in trainer.model.state_dict().items()}
     else:
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    result = {"losses": losses, "weights": weights}
+    if trainer.dims.dp_shard > 1:
+        result.update(forward_wire_record(trainer, next(data)[0]))
     if trainer.rank == 0:
-        torch.save({"losses": losses, "weights": weights}, out)
+        torch.save(result, out)
     destroy_distributed(wait_for_peers=True)
 
 

@@ -1,21 +1,45 @@
-"""Float8Linear numerics, the conversion rules and report, and float8 training on the debug model."""
+"""Float8Linear numerics against torchao's recipes and the spec reference, the conversion rules and report, and
+float8 training on the debug model."""
 
+import logging
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from debug_training import DEBUG_TOML, train_losses
-from reference import float8_ref
+from debug_training import DEBUG_TOML, train, train_losses
+from float8_codes import assert_codes_equal
+from reference import float8_ref as ref
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import Float8
 from titan.quant.convert import apply_float8, format_report
-from titan.quant.float8.linear import RECIPES, Float8Linear
+from titan.quant.float8.linear import RECIPES, Float8Linear, cast_operands
+from titan.quant.formats import E4M3, E5M2
 
 RECIPE_NAMES = list(RECIPES)
+
+# torchao's recipes, written out here from Float8LinearConfig.from_recipe_name (torchao/float8/config.py) and the
+# defaults of its __post_init__, independently of titan's table: for each matmul, the (left, right) operand's
+# (format, scale granularity, power-of-2 scales); None: the matmul runs in high precision. Axiswise scales run
+# along the matmul's contraction dim (torchao/float8/float8_linear.py).
+E4M3_TENSORWISE, E5M2_TENSORWISE = (ref.E4M3, "tensorwise", False), (ref.E5M2, "tensorwise", False)
+E4M3_AXISWISE, E4M3_AXISWISE_POWER_OF_2 = (ref.E4M3, "axiswise", False), (ref.E4M3, "axiswise", True)
+PUBLISHED_RECIPES = {
+    "tensorwise": {"output": (E4M3_TENSORWISE, E4M3_TENSORWISE),
+                   "grad_input": (E5M2_TENSORWISE, E4M3_TENSORWISE),
+                   "grad_weight": (E5M2_TENSORWISE, E4M3_TENSORWISE)},
+    "rowwise": {"output": (E4M3_AXISWISE_POWER_OF_2, E4M3_AXISWISE_POWER_OF_2),
+                "grad_input": (E4M3_AXISWISE_POWER_OF_2, E4M3_AXISWISE_POWER_OF_2),
+                "grad_weight": (E4M3_AXISWISE_POWER_OF_2, E4M3_AXISWISE_POWER_OF_2)},
+    "rowwise_with_gw_hp": {"output": (E4M3_AXISWISE, E4M3_AXISWISE),
+                           "grad_input": (E4M3_AXISWISE, E4M3_TENSORWISE),
+                           "grad_weight": None},
+}
+FLOAT8_DTYPES = {ref.E4M3: E4M3, ref.E5M2: E5M2}
+TOKENS, IN_FEATURES, OUT_FEATURES = 32, 64, 48
 
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
@@ -74,22 +98,80 @@ def test_native_matches_emulated(recipe_name: str) -> None:
         torch.testing.assert_close(native[name][1], emulated[name][1], rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("recipe_name", ["tensorwise", "rowwise"])
-def test_output_matches_spec_reference(recipe_name: str) -> None:
-    """Forward output equals quantize-dequantize per the OCP spec (tests/reference) followed by a matmul."""
-    reference, converted = linear_pair(recipe_name, emulate=True)
-    x = torch.randn(16, 64)
+def varied_magnitudes(rows: int, cols: int, generator: torch.Generator) -> Tensor:
+    """Normal values times 10**i per row and 10**j per column, i and j in -3..3: each row and column has its own
+    amax, so a tensorwise, per-row or per-column scale, power of 2 or not, quantizes each differently."""
+    row_magnitude = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=generator)
+    column_magnitude = 10.0 ** torch.randint(-3, 4, (1, cols), generator=generator)
+    return torch.randn(rows, cols, generator=generator) * row_magnitude * column_magnitude
 
-    def spec_round_trip(t: torch.Tensor) -> torch.Tensor:
-        if recipe_name == "rowwise":
-            codes, scale = float8_ref.rowwise(float8_ref.E4M3, t, dim=-1, round_to_power_of_2=True)
-        else:
-            codes, scale = float8_ref.tensorwise(float8_ref.E4M3, t, round_to_power_of_2=False)
-            scale = torch.tensor(scale, dtype=torch.float64)
-        return float8_ref.dequantize(float8_ref.E4M3, codes, scale).float()
 
-    expected = spec_round_trip(x) @ spec_round_trip(reference.weight.detach()).t()
-    torch.testing.assert_close(converted(x).detach(), expected, rtol=1e-5, atol=1e-5)
+def linear_operands() -> tuple[Tensor, Tensor, Tensor]:
+    """x (tokens, in), weight (out, in) and grad_output (tokens, out), fixed by a seed."""
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(TOKENS, IN_FEATURES), (OUT_FEATURES, IN_FEATURES), (TOKENS, OUT_FEATURES)]
+    x, weight, grad = (varied_magnitudes(rows, cols, generator) for rows, cols in shapes)
+    return x, weight, grad
+
+
+def matmul_operands(x: Tensor, weight: Tensor, grad: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """The (left, right) operands of each matmul of y = x @ weight^T; each contracts left's last dim, right's first."""
+    return {"output": (x, weight.t()), "grad_input": (grad, weight), "grad_weight": (grad.t(), x)}
+
+
+def spec_cast(operand: Tensor, cast: tuple[ref.Float8Spec, str, bool], contraction_dim: int) -> tuple[Tensor, Tensor]:
+    """(codes, float64 scales) from the reference; axiswise scales have the operand's shape with the contraction
+    dim set to 1."""
+    spec, granularity, power_of_2 = cast
+    if granularity == "tensorwise":
+        codes, scale = ref.tensorwise(spec, operand, power_of_2)
+        return codes, torch.tensor(scale, dtype=torch.float64)
+    return ref.rowwise(spec, operand, contraction_dim, power_of_2)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPE_NAMES)
+def test_every_operand_is_cast_as_the_published_recipe(recipe_name: str) -> None:
+    """Bit-exact, operand by operand: the codes and scales each matmul multiplies are the reference's for the
+    float8 format, the granularity along the contraction dim and the power-of-2 rounding of torchao's recipe.
+    Weights whose columns differ in magnitude by up to 1e6 tell a tensorwise weight scale from a per-column one."""
+    for matmul, operands in matmul_operands(*linear_operands()).items():
+        published, casts = PUBLISHED_RECIPES[recipe_name][matmul], getattr(RECIPES[recipe_name], matmul)
+        assert (casts is None) == (published is None), f"{matmul} must run in high precision only if torchao's does"
+        if casts is None:
+            continue
+        float8_operands = cast_operands(*operands, casts)
+        for side, (data, scale), operand, cast, contraction_dim in zip(
+                ("left", "right"), float8_operands, operands, published, (-1, 0), strict=True):
+            codes, want_scale = spec_cast(operand, cast, contraction_dim)
+            assert data.dtype == FLOAT8_DTYPES[cast[0]], f"{matmul} {side} operand is {data.dtype}"
+            torch.testing.assert_close(scale, want_scale.float(), rtol=0, atol=0, msg=f"{matmul} {side} scales")
+            assert_codes_equal(data, codes)
+
+
+@pytest.mark.parametrize("recipe_name", RECIPE_NAMES)
+def test_float8_linear_multiplies_the_published_casts(recipe_name: str) -> None:
+    """Output, grad_input and grad_weight of an emulated Float8Linear are the products of the reference's casts of
+    their operands per torchao's recipe (of the high-precision operands where it keeps a matmul in high precision).
+    Only the fp32 accumulation differs: a K-term dot product is within (K + 1) * 2**-24 * sum |a_i * b_i| of the
+    exact one (K roundings of the running sum and one of the result); a wrong cast is off by float8's 2**-4."""
+    x, weight, grad = linear_operands()
+    linear = Float8Linear.from_linear(nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False), recipe_name=recipe_name,
+                                      emulate=True)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+    x_leaf = x.clone().requires_grad_()
+    out = linear(x_leaf)
+    out.backward(grad)
+    got = {"output": out.detach(), "grad_input": x_leaf.grad, "grad_weight": linear.weight.grad}
+    for matmul, (left, right) in matmul_operands(x, weight, grad).items():
+        published = PUBLISHED_RECIPES[recipe_name][matmul]
+        if published is not None:
+            left, right = (ref.dequantize(cast[0], *spec_cast(operand, cast, contraction_dim))
+                           for operand, cast, contraction_dim in zip((left, right), published, (-1, 0), strict=True))
+        left, right = left.double(), right.double()
+        error = (got[matmul].double() - left @ right).abs()
+        bound = (left.shape[1] + 1) * 2.0**-24 * (left.abs() @ right.abs())
+        assert (error <= bound).all(), f"{matmul}: error {(error - bound).max().item():.3g} above the bound"
 
 
 def test_autocast_output_dtype() -> None:
@@ -158,14 +240,36 @@ def fp32_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return train_losses(tmp_path_factory.mktemp("fp32"), "--training.steps", "15")
 
 
+# Every linear of the debug model's 6 blocks; the output projection is the 43rd, kept by the default filter.
+DEBUG_MODEL_BLOCK_LINEAR_FQNS = {f"layers.{i}.{name}" for i in range(6) for name in (
+    "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+    "feed_forward.w3")}
+
+
+def float8_rows_of_report(records: list[logging.LogRecord]) -> tuple[set[str], str]:
+    """(FQNs of the layers the logged conversion report says went to float8, its closing count line)."""
+    report = next(r.getMessage() for r in records if r.getMessage().startswith("Model conversion report"))
+    lines = report.splitlines()
+    rows = lines[2:-1]  # between the title and column header lines and the count
+    return {row.split()[0] for row in rows if row.split()[2] == "float8"}, lines[-1]
+
+
 @pytest.mark.parametrize("recipe_name", RECIPE_NAMES)
-def test_debug_model_trains_in_float8(tmp_path: Path, recipe_name: str, fp32_losses: list[float]) -> None:
-    """Short CI version of scripts/bench_float8.py --loss-curve: 15 steps, float8 tracks fp32 closely.
-    Emulated (CPU float8 matmuls are slow); native matmuls are checked equal to emulated above."""
+def test_debug_model_converts_and_trains_in_float8(tmp_path: Path, recipe_name: str, fp32_losses: list[float],
+                                                   titan_records: list[logging.LogRecord]) -> None:
+    """The trainer swaps every block linear for a Float8Linear of the recipe, as its conversion report says, and
+    float8 tracks fp32 closely: a short CI version of scripts/bench_float8.py --loss-curve, 15 steps. Emulated (CPU
+    float8 matmuls are slow); native matmuls are checked equal to emulated above."""
+    trainer, float8 = train(tmp_path / recipe_name, "--training.steps", "15", "--model.converters", "float8",
+                            "--float8.recipe_name", recipe_name, "--float8.emulate")
+    converted = {fqn: module for fqn, module in trainer.model.named_modules() if isinstance(module, Float8Linear)}
+    assert converted.keys() == DEBUG_MODEL_BLOCK_LINEAR_FQNS
+    assert all(module.recipe is RECIPES[recipe_name] and module.emulate for module in converted.values())
+    reported, count = float8_rows_of_report(titan_records)
+    assert reported == converted.keys() and count == "42 of 43 linear layers converted"
     fp32 = fp32_losses
-    float8 = train_losses(tmp_path / recipe_name, "--training.steps", "15", "--model.converters", "float8",
-                          "--float8.recipe_name", recipe_name, "--float8.emulate")
     assert all(math.isfinite(loss) for loss in float8)
+    assert float8 != fp32  # the float8 matmuls ran
     assert float8[-1] < float8[0] - 0.5
     assert abs(float8[-1] - fp32[-1]) < 0.05, (float8[-1], fp32[-1])
 

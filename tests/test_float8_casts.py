@@ -16,9 +16,6 @@ from triton_interpreter import run_interpreted
 from reference import float8_ref as ref
 from titan.parallel.dims import destroy_distributed
 from titan.quant.float8.casts import (
-    E4M3,
-    E5M2,
-    EPS,
     amax_to_scale,
     cast_to_float8,
     dequantize,
@@ -27,6 +24,7 @@ from titan.quant.float8.casts import (
     torch_rowwise_cast,
     torch_tensorwise_cast,
 )
+from titan.quant.formats import E4M3, E5M2, EPS
 
 FORMATS = [pytest.param(E4M3, ref.E4M3, id="e4m3"), pytest.param(E5M2, ref.E5M2, id="e5m2")]
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

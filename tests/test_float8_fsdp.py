@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from float8_fsdp_harness import STEPS, VARIANTS
-from titan.quant.float8.casts import E4M3, dequantize, tensorwise_cast
-from titan.quant.float8.fsdp import (
-    Float8AllGatherWeight, Float8GatheredWeight, apply_float8_all_gather, weight_float8_tensorwise,
-)
-from titan.quant.float8.linear import Float8Linear
+from titan.quant.float8.casts import dequantize, tensorwise_cast
+from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gather
+from titan.quant.float8.gathered import Float8GatheredWeight
+from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear, cast_operand
+from titan.quant.formats import E4M3
 from torchrun import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,9 +107,11 @@ def test_distributed_checkpoint_round_trip(runs: dict, name: str) -> None:
     assert run["still_wrapped"] == [True, True]
 
 
-def test_trainer_float8_all_gather_matches_high_precision(tmp_path: Path) -> None:
-    """The debug model through Titan's trainer on FSDP=2, float8 tensorwise: the float8 all-gather with
-    precomputed scales reproduces the high-precision all-gather bit for bit."""
+@pytest.fixture(scope="module")
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The debug model through Titan's trainer on FSDP=2, every linear float8 tensorwise: with the float8 all-gather
+    (scales precomputed) and with the high-precision one."""
+    tmp_path = tmp_path_factory.mktemp("trainer_float8_fsdp")
     flags = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--training.steps", "3",
              "--training.seq_len", "64", "--training.local_batch_size", "2", "--training.mixed_precision_param",
              "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
@@ -118,10 +120,34 @@ def test_trainer_float8_all_gather_matches_high_precision(tmp_path: Path) -> Non
     runs = {}
     for name, extra in (("high_precision", []), ("float8", all_gather)):
         run_torchrun("parallel_harness.py", WORLD_SIZE, str(tmp_path / f"{name}.pt"), "1", *flags,
-                 "--job.dump_folder", str(tmp_path / name), *extra)
+                     "--job.dump_folder", str(tmp_path / name), *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt")
-    assert runs["float8"]["losses"] == runs["high_precision"]["losses"]
-    assert_equal_tensors(runs["float8"]["weights"], runs["high_precision"]["weights"])
+    return runs
+
+
+def test_trainer_float8_all_gather_matches_high_precision(trainer_runs: dict[str, dict]) -> None:
+    """The float8 all-gather with precomputed scales reproduces the high-precision all-gather bit for bit."""
+    assert trainer_runs["float8"]["losses"] == trainer_runs["high_precision"]["losses"]
+    assert_equal_tensors(trainer_runs["float8"]["weights"], trainer_runs["high_precision"]["weights"])
+
+
+def expected_all_gather_bytes(parameter_shapes: dict[str, tuple[int, ...]], float8_weight_fqns: set[str]) -> int:
+    """Bytes a rank sends to all-gather every parameter once: its dim-0 shard, padded to ceil(rows / ranks) rows as
+    FSDP2 pads, one byte per element for weights gathered in float8 and four (fp32) for everything else."""
+    return sum(math.ceil(shape[0] / WORLD_SIZE) * math.prod(shape[1:]) * (1 if name in float8_weight_fqns else 4)
+               for name, shape in parameter_shapes.items())
+
+
+def test_trainer_all_gathers_float8_bytes(trainer_runs: dict[str, dict]) -> None:
+    """What the trainer's FSDP puts on the wire in one forward: every linear weight (the output projection too) in
+    float8, a quarter of the fp32 bytes, so a float8 all-gather that silently falls back to fp32 fails here."""
+    high_precision, float8 = trainer_runs["high_precision"], trainer_runs["float8"]
+    linear_fqns = float8["float8_linear_fqns"]
+    assert len(linear_fqns) == 43 and "output" in linear_fqns  # 6 blocks x 7 linears, and the output projection
+    float8_weight_fqns = {f"{fqn}.weight" for fqn in linear_fqns}
+    assert float8_weight_fqns <= float8["parameter_shapes"].keys()
+    assert high_precision["all_gather_bytes"] == expected_all_gather_bytes(high_precision["parameter_shapes"], set())
+    assert float8["all_gather_bytes"] == expected_all_gather_bytes(float8["parameter_shapes"], float8_weight_fqns)
 
 
 def float8_linear(seed: int = 0) -> Float8Linear:
@@ -157,22 +183,21 @@ def test_float8_linear_with_wrapped_weight_matches_plain() -> None:
 def test_gathered_weight_gives_its_data_and_scale_without_recasting() -> None:
     data, scale = tensorwise_cast(torch.randn(48, 64), E4M3)
     gathered = Float8GatheredWeight(data, scale, torch.bfloat16)
-    got_data, got_scale = weight_float8_tensorwise(gathered)
+    got_data, got_scale = cast_operand(gathered, TENSORWISE_E4M3, contraction_dim=0)
     assert got_data is data and got_scale is scale
+    # The forward multiplies by weight^T: a view of the same bytes, with the same scale.
+    got_data, got_scale = cast_operand(gathered.t(), TENSORWISE_E4M3, contraction_dim=0)
+    assert got_data.data_ptr() == data.data_ptr() and got_data.shape == (64, 48) and got_scale is scale
     # Any other op sees the dequantized weight; writes are refused (FSDP discards the gathered weight).
     torch.testing.assert_close(gathered + 0, dequantize(data, scale, torch.bfloat16), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="all-gathered float8 weight"):
         gathered.add_(1)
 
 
-def test_plain_weight_is_cast_tensorwise() -> None:
-    weight = torch.randn(48, 64)
-    for got, expected in zip(weight_float8_tensorwise(weight), tensorwise_cast(weight, E4M3)):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
-def test_rowwise_weights_are_refused() -> None:
-    model = nn.Sequential(Float8Linear.from_linear(nn.Linear(64, 48), recipe_name="rowwise", emulate=False))
+@pytest.mark.parametrize("recipe_name", ["rowwise", "rowwise_with_gw_hp"])
+def test_weights_cast_axiswise_are_refused(recipe_name: str) -> None:
+    """Both recipes scale the weight per row in the output matmul, which one gathered scale cannot serve."""
+    model = nn.Sequential(Float8Linear.from_linear(nn.Linear(64, 48), recipe_name=recipe_name, emulate=False))
     with pytest.raises(ValueError, match="--float8.recipe_name tensorwise"):
         apply_float8_all_gather(model)
 

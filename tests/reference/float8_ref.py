@@ -72,7 +72,7 @@ def nan_code(spec: Float8Spec) -> int:
 
 def quantize(spec: Float8Spec, values: Tensor) -> Tensor:
     """uint8 codes of `values`: nearest representable, ties to even, saturating to +-max; nan maps to a nan code."""
-    values = values.double()
+    values = values.double().contiguous()  # searchsorted copies strided (transposed) inputs anyway
     codes = torch.tensor(positive_finite_codes(spec))
     grid = torch.tensor([decode(spec, code) for code in codes.tolist()], dtype=torch.float64)
     magnitude = values.abs().clamp(max=max_finite(spec))

@@ -11,8 +11,8 @@ from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
 from titan.metrics.log import logger
 from titan.quant.float8.linear import Float8Linear
+from titan.quant.formats import MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
-from titan.quant.mx.numerics import BLOCK_SIZE
 
 # Float8 matmul kernels (cuBLASLt, torch._scaled_mm) need both weight dims divisible by 16.
 FLOAT8_DIM_MULTIPLE = 16
@@ -64,13 +64,13 @@ def mx_skip_reason(fqn: str, linear: nn.Linear, cfg: MX, tp_degree: int) -> str 
     if filtered:
         return filtered
     # Both dims are contracted by some matmul (in by the output, out by grad_input), so both need whole blocks.
-    if out_features % BLOCK_SIZE or in_features % BLOCK_SIZE:
-        return f"skipped: {out_features}x{in_features} not divisible by the MX block size {BLOCK_SIZE}"
+    if out_features % MX_BLOCK_SIZE or in_features % MX_BLOCK_SIZE:
+        return f"skipped: {out_features}x{in_features} not divisible by the MX block size {MX_BLOCK_SIZE}"
     # TP splits one of the two dims; every rank quantizes its shard, so a shard must hold whole blocks too.
-    shard_multiple = BLOCK_SIZE * tp_degree
+    shard_multiple = MX_BLOCK_SIZE * tp_degree
     if out_features % shard_multiple or in_features % shard_multiple:
         return (f"skipped: {out_features}x{in_features} does not split into {tp_degree} TP shards of whole "
-                f"{BLOCK_SIZE}-element MX blocks")
+                f"{MX_BLOCK_SIZE}-element MX blocks")
     return None
 
 

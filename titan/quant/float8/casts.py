@@ -14,12 +14,7 @@ NaN guard stops the run instead of training on finite garbage (a saturated inf w
 import torch
 from torch import Tensor
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
-EPS = 1e-12
-"""Floor on amax, so an all-zero tensor (a zero-initialised weight, the gradient of an unused branch) scales by
-max / EPS instead of max / 0 = inf, whose 0 * inf would make every element nan. Applied to the fp32 amax, so the
-floor in effect is 1e-12 rounded to fp32. max / EPS (< 6e16 for E5M2) stays far inside fp32 range."""
+from titan.quant.formats import EPS
 
 _FP32_EXPONENT_BITS = 0x7F800000
 

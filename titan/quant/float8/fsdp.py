@@ -8,8 +8,8 @@ that same scale (its global amax comes from an all-reduce MAX over the FSDP mesh
     apply_float8_all_gather(model)    before fully_shard: wrap each Float8Linear weight in Float8AllGatherWeight
     fully_shard(...)                  FSDP2 calls the wrapper's fsdp_pre/post_all_gather hooks (torch's
                                       all-gather extensions, torch/distributed/fsdp/_fully_shard/_fsdp_param.py)
-    forward / backward                the unsharded weight is a Float8GatheredWeight: float8 data + scale, read by
-                                      Float8Linear through weight_float8_tensorwise
+    forward / backward                the unsharded weight is a Float8GatheredWeight (float8/gathered.py): float8
+                                      data + scale, which Float8Linear multiplies without casting again
     optimizer.step()
     precompute_float8_scales(model)   optional: every weight's global amax in one all-reduce
 """
@@ -26,7 +26,9 @@ from torch.distributed.tensor import DTensor, Placement
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from titan.metrics.log import logger
-from titan.quant.float8.casts import E4M3, amax_to_scale, cast_to_float8, dequantize, tensorwise_cast
+from titan.quant.float8.casts import amax_to_scale, cast_to_float8
+from titan.quant.float8.gathered import Float8GatheredWeight, mutated_args
+from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear
 
 aten = torch.ops.aten
 
@@ -36,19 +38,6 @@ aten = torch.ops.aten
 # returns plain tensors. Views share their source's AmaxSlot; new storage starts with an empty one.
 VIEW_OPS = {aten.detach.default, aten.slice.Tensor, aten.split.Tensor, aten.view.default}
 NEW_STORAGE_OPS = {aten.empty_like.default, aten.new_zeros.default}
-
-
-def mutated_args(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
-    """The arguments `func` writes to (self of an in-place op, out= tensors, lists of a _foreach_ op)."""
-    written = []
-    for position, argument in enumerate(func._schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.name in kwargs:
-            written += tree_flatten(kwargs[argument.name])[0]
-        elif position < len(args):
-            written += tree_flatten(args[position])[0]
-    return written
 
 
 class AmaxSlot:
@@ -128,8 +117,8 @@ class Float8AllGatherWeight(torch.Tensor):
         else:
             amax = shard.abs().amax().float() if shard.numel() else shard.new_zeros((), dtype=torch.float32)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        scale = amax_to_scale(amax, E4M3, round_to_power_of_2=False)
-        data = cast_to_float8(shard, E4M3, scale).view(torch.uint8)
+        scale = amax_to_scale(amax, TENSORWISE_E4M3.dtype, TENSORWISE_E4M3.power_of_2)
+        data = cast_to_float8(shard, TENSORWISE_E4M3.dtype, scale).view(torch.uint8)
         padded_rows = math.ceil(outer_size[0] / mesh.size())
         if data.size(0) < padded_rows:  # uneven sharding: FSDP all-gathers equal-sized shards
             padded = data.new_zeros((padded_rows, *data.shape[1:]))
@@ -146,74 +135,19 @@ class Float8AllGatherWeight(torch.Tensor):
         if out is not None:
             out._scale = metadata
             return None
-        data = gathered.view(E4M3)
+        data = gathered.view(TENSORWISE_E4M3.dtype)
         return Float8GatheredWeight(data, metadata, param_dtype), (data,)
-
-
-class Float8GatheredWeight(torch.Tensor):
-    """The all-gathered weight: float8 e4m3 `_data` and its fp32 0-dim `_scale`, posing as a `dtype` tensor of
-    the weight's shape (autograd checks the weight's gradient against that dtype). Float8Linear reads data and
-    scale through `weight_float8_tensorwise`; any other op sees the dequantized weight."""
-
-    _data: Tensor
-    _scale: Tensor
-
-    @staticmethod
-    def __new__(cls, data: Tensor, scale: Tensor, dtype: torch.dtype) -> "Float8GatheredWeight":
-        return torch.Tensor._make_wrapper_subclass(
-            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(), dtype=dtype,
-            device=data.device)
-
-    def __init__(self, data: Tensor, scale: Tensor, dtype: torch.dtype) -> None:
-        self._data = data
-        self._scale = scale
-
-    def __repr__(self) -> str:
-        return f"Float8GatheredWeight(data={self._data!r}, scale={self._scale!r}, dtype={self.dtype})"
-
-    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
-        return ["_data", "_scale"], self.dtype
-
-    @staticmethod
-    def __tensor_unflatten__(inner_tensors: dict[str, Tensor], dtype: torch.dtype, outer_size: torch.Size,
-                             outer_stride: tuple[int, ...]) -> "Float8GatheredWeight":
-        return Float8GatheredWeight(inner_tensors["_data"], inner_tensors["_scale"], dtype)
-
-    @classmethod
-    def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: tuple, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        # FSDP as_strides the gathered buffer to the weight's size, and nn.Parameter detaches it.
-        if func in (aten.as_strided.default, aten.detach.default):
-            weight = args[0]
-            return cls(func(weight._data, *args[1:], **kwargs), weight._scale, weight.dtype)
-        if any(isinstance(written, cls) for written in mutated_args(func, args, kwargs)):
-            raise RuntimeError(f"{func} would write to an all-gathered float8 weight, which FSDP discards after "
-                               f"use; write to the sharded parameter instead.")
-
-        def high_precision(weight: Float8GatheredWeight) -> Tensor:
-            return dequantize(weight._data, weight._scale, weight.dtype)
-
-        return func(*tree_map_only(cls, high_precision, args), **tree_map_only(cls, high_precision, kwargs))
-
-
-def weight_float8_tensorwise(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """(float8 e4m3 data, fp32 0-dim scale) of `weight`: taken from the float8 all-gather when FSDP produced it,
-    else cast here from the high-precision weight."""
-    if isinstance(weight, Float8GatheredWeight):
-        return weight._data, weight._scale
-    return tensorwise_cast(weight, E4M3)
 
 
 def apply_float8_all_gather(model: nn.Module) -> int:
     """Wrap the weight of every Float8Linear of `model` in Float8AllGatherWeight, so that fully_shard (applied
     after this) all-gathers it in float8. Works on the meta device; returns the number of weights wrapped."""
-    from titan.quant.float8.linear import Float8Linear  # linear.py imports this module
-
     num_wrapped = 0
     for module in model.modules():
         if isinstance(module, Float8Linear) and not isinstance(module.weight, Float8AllGatherWeight):
-            if module.recipe.name != "tensorwise":
+            # The output and grad_input matmuls both take the gathered weight as it is, so both must cast it so.
+            weight_casts = (module.recipe.output[1], module.recipe.grad_input[1])
+            if any(cast != TENSORWISE_E4M3 for cast in weight_casts):
                 raise ValueError(f"The float8 all-gather needs the tensorwise recipe, but a Float8Linear uses "
                                  f"{module.recipe.name!r}. Use --float8.recipe_name tensorwise or turn off "
                                  f"--float8.enable_fsdp_float8_all_gather.")

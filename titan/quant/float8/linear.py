@@ -1,49 +1,91 @@
-"""Float8Linear: nn.Linear whose three matmuls run in float8 with dynamic scaling.
+"""Float8Linear: nn.Linear whose matmuls run in float8 with dynamic scaling, as torchao's float8 training recipes
+define them.
 
-Recipes (numerically those of torchao's float8 training):
-  tensorwise          one scale per tensor; input and weight e4m3, grad_output e5m2 (its wider range).
-  rowwise             one scale per row along each matmul's contraction dim, all e4m3, power-of-2 scales.
-  rowwise_with_gw_hp  rowwise, but grad_weight = grad_output^T @ input stays in high precision.
-
-For y = x @ W^T with x (M, K), W (N, K), grad_output g (M, N):
-  output       x @ W^T   contracts K: x scaled per row of x, W per row of W.
-  grad_input   g @ W     contracts N: g per row of g, W per column of W.
-  grad_weight  g^T @ x   contracts M: g per column of g, x per column of x.
+For y = x @ W^T with input x (M, K), weight W (N, K) and grad_output g (M, N), the three matmuls are
+  output       x @ W^T   contracts K
+  grad_input   g @ W     contracts N
+  grad_weight  g^T @ x   contracts M (tokens)
+A recipe gives each operand of each matmul a float8 dtype and a scale granularity, tensorwise (one scale for the
+operand) or axiswise (one scale per slice along that matmul's contraction dim: per row of the left operand, per
+column of the right one), with scales rounded down to a power of 2 or not; or it keeps a matmul in high
+precision. Each matmul re-casts the high-precision x, W and g it is given, as torchao does.
 Native matmuls use torch._scaled_mm (CUDA SM89+, and torch's CPU kernels); with emulate the same
 quantized values are dequantized and multiplied in high precision.
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
-from titan.quant.float8.casts import E4M3, E5M2, dequantize, rowwise_cast, tensorwise_cast
-from titan.quant.float8.fsdp import weight_float8_tensorwise
+from titan.quant.float8.casts import dequantize, rowwise_cast, tensorwise_cast
+from titan.quant.float8.gathered import Float8GatheredWeight
+from titan.quant.formats import E4M3, E5M2
 from titan.quant.quantized_linear import QuantizedLinear
 
 
 @dataclass(frozen=True)
+class OperandCast:
+    """How one matmul operand is cast to float8: torchao's CastConfig with its round_scales_to_power_of_2."""
+
+    dtype: torch.dtype
+    granularity: Literal["tensorwise", "axiswise"]
+    """tensorwise: one scale for the whole operand. axiswise: one per slice along the matmul's contraction dim."""
+    power_of_2: bool
+    """Scales rounded down to a power of 2, so scaling and unscaling only shift exponents."""
+
+
+@dataclass(frozen=True)
 class Recipe:
+    """The (left, right) operand casts of each matmul; None keeps that matmul in high precision."""
+
     name: str
-    rowwise: bool
-    grad_dtype: torch.dtype
-    grad_weight_high_precision: bool
+    output: tuple[OperandCast, OperandCast]
+    """input @ weight^T"""
+    grad_input: tuple[OperandCast, OperandCast]
+    """grad_output @ weight"""
+    grad_weight: tuple[OperandCast, OperandCast] | None
+    """grad_output^T @ input"""
 
 
+TENSORWISE_E4M3 = OperandCast(E4M3, "tensorwise", power_of_2=False)
+"""Also the cast of FSDP's float8 all-gather, which recipes casting the weight this way in both its matmuls allow."""
+TENSORWISE_E5M2 = OperandCast(E5M2, "tensorwise", power_of_2=False)
+AXISWISE_E4M3 = OperandCast(E4M3, "axiswise", power_of_2=False)
+AXISWISE_E4M3_POWER_OF_2 = OperandCast(E4M3, "axiswise", power_of_2=True)
+
+# torchao's recipes: Float8LinearConfig.from_recipe_name in torchao/float8/config.py (pytorch/ao), with the defaults
+# that Float8LinearConfig.__post_init__ fills in: e4m3 for input and weight, e5m2 for grad_output, and
+# round_scales_to_power_of_2 off (only rowwise turns it on). torchao/float8/float8_linear.py takes every axiswise
+# scale along the matmul's contraction dim.
 RECIPES = {
-    "tensorwise": Recipe("tensorwise", rowwise=False, grad_dtype=E5M2, grad_weight_high_precision=False),
-    "rowwise": Recipe("rowwise", rowwise=True, grad_dtype=E4M3, grad_weight_high_precision=False),
-    "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp", rowwise=True, grad_dtype=E4M3, grad_weight_high_precision=True),
+    "tensorwise": Recipe("tensorwise",
+                         output=(TENSORWISE_E4M3, TENSORWISE_E4M3),
+                         grad_input=(TENSORWISE_E5M2, TENSORWISE_E4M3),
+                         grad_weight=(TENSORWISE_E5M2, TENSORWISE_E4M3)),
+    "rowwise": Recipe("rowwise",
+                      output=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2),
+                      grad_input=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2),
+                      grad_weight=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2)),
+    "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp",
+                                 output=(AXISWISE_E4M3, AXISWISE_E4M3),
+                                 grad_input=(AXISWISE_E4M3, TENSORWISE_E4M3),
+                                 grad_weight=None),
 }
 
 
 def scaled_matmul(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
                   emulate: bool) -> Tensor:
     """(a / a_scale) @ (b / b_scale) for float8 a (M, K) and b (K, N); scales broadcast like the operands
-    (scalars, (M, 1) for a, (1, N) for b)."""
+    (0-dim, (M, 1) for a, (1, N) for b)."""
     if emulate:
         return (dequantize(a, a_scale) @ dequantize(b, b_scale)).to(out_dtype)
+    # _scaled_mm takes two tensorwise or two rowwise scales: one tensorwise scale with a rowwise partner (the weight
+    # in rowwise_with_gw_hp's grad_input) is repeated along the rows or columns, as torchao does.
+    if a_scale.dim() != b_scale.dim():
+        a_scale = a_scale.expand(a.shape[0], 1).contiguous()
+        b_scale = b_scale.expand(1, b.shape[1]).contiguous()
     # CUDA's rowwise kernel only writes bf16; cast afterwards for other output dtypes.
     mm_dtype = torch.bfloat16 if a_scale.dim() > 0 and a.is_cuda else out_dtype
     # _scaled_mm wants a row-major, b column-major, and the inverse (dequantizing) scales.
@@ -52,56 +94,50 @@ def scaled_matmul(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dt
     return out.to(out_dtype)
 
 
-def forward_matmul(x: Tensor, weight: Tensor, recipe: Recipe, emulate: bool) -> Tensor:
-    """x (M, K) @ weight (N, K)^T in float8."""
-    if recipe.rowwise:
-        x_data, x_scale = rowwise_cast(x, E4M3, dim=-1)  # scale (M, 1)
-        w_data, w_scale = rowwise_cast(weight, E4M3, dim=-1)  # scale (N, 1)
-        return scaled_matmul(x_data, x_scale, w_data.t(), w_scale.t(), x.dtype, emulate)
-    x_data, x_scale = tensorwise_cast(x, E4M3)
-    w_data, w_scale = weight_float8_tensorwise(weight)
-    return scaled_matmul(x_data, x_scale, w_data.t(), w_scale, x.dtype, emulate)
+def cast_operand(operand: Tensor, cast: OperandCast, contraction_dim: int) -> tuple[Tensor, Tensor]:
+    """(float8 data, fp32 scale) of one matmul operand: the scale is 0-dim when tensorwise, and has the operand's
+    shape with `contraction_dim` set to 1 when axiswise."""
+    if isinstance(operand, Float8GatheredWeight):
+        # FSDP's float8 all-gather cast this weight already; apply_float8_all_gather wraps only the weights of
+        # recipes that cast the weight this way in both of its matmuls.
+        assert cast == TENSORWISE_E4M3, f"a weight all-gathered in float8 cannot be cast as {cast}"
+        return operand._data, operand._scale
+    if cast.granularity == "tensorwise":
+        return tensorwise_cast(operand, cast.dtype, cast.power_of_2)
+    return rowwise_cast(operand, cast.dtype, contraction_dim, cast.power_of_2)
 
 
-def grad_input_matmul(grad: Tensor, weight: Tensor, recipe: Recipe, emulate: bool) -> Tensor:
-    """grad (M, N) @ weight (N, K) in float8."""
-    if recipe.rowwise:
-        g_data, g_scale = rowwise_cast(grad, recipe.grad_dtype, dim=-1)  # scale (M, 1)
-        w_data, w_scale = rowwise_cast(weight, E4M3, dim=0)  # scale (1, K)
-        return scaled_matmul(g_data, g_scale, w_data, w_scale, grad.dtype, emulate)
-    g_data, g_scale = tensorwise_cast(grad, recipe.grad_dtype)
-    w_data, w_scale = weight_float8_tensorwise(weight)
-    return scaled_matmul(g_data, g_scale, w_data, w_scale, grad.dtype, emulate)
+def cast_operands(a: Tensor, b: Tensor,
+                  casts: tuple[OperandCast, OperandCast]) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """a (M, K) and b (K, N) cast for a @ b, which contracts a's last dim and b's first: axiswise scales are
+    (M, 1) for a and (1, N) for b."""
+    return cast_operand(a, casts[0], contraction_dim=-1), cast_operand(b, casts[1], contraction_dim=0)
 
 
-def grad_weight_matmul(grad: Tensor, x: Tensor, recipe: Recipe, emulate: bool, out_dtype: torch.dtype) -> Tensor:
-    """grad (M, N)^T @ x (M, K), in float8 unless the recipe keeps it in high precision."""
-    if recipe.grad_weight_high_precision:
-        return (grad.t() @ x).to(out_dtype)
-    if recipe.rowwise:
-        g_data, g_scale = rowwise_cast(grad, recipe.grad_dtype, dim=0)  # scale (1, N)
-        x_data, x_scale = rowwise_cast(x, E4M3, dim=0)  # scale (1, K)
-        return scaled_matmul(g_data.t(), g_scale.t(), x_data, x_scale, out_dtype, emulate)
-    g_data, g_scale = tensorwise_cast(grad, recipe.grad_dtype)
-    x_data, x_scale = tensorwise_cast(x, E4M3)
-    return scaled_matmul(g_data.t(), g_scale, x_data, x_scale, out_dtype, emulate)
+def float8_mm(a: Tensor, b: Tensor, casts: tuple[OperandCast, OperandCast] | None, out_dtype: torch.dtype,
+              emulate: bool) -> Tensor:
+    """a (M, K) @ b (K, N) with each operand cast as `casts` says, or in high precision when `casts` is None."""
+    if casts is None:
+        return (a @ b).to(out_dtype)
+    (a_data, a_scale), (b_data, b_scale) = cast_operands(a, b, casts)
+    return scaled_matmul(a_data, a_scale, b_data, b_scale, out_dtype, emulate)
 
 
 class Float8Matmul(torch.autograd.Function):
-    """x (M, K) @ weight (N, K)^T with all three matmuls in float8. Saves the high-precision input and
-    weight (as nn.Linear does) and re-quantizes them along each backward matmul's contraction dim."""
+    """x (M, K) @ weight (N, K)^T with the recipe's casts in each of the three matmuls. Saves the high-precision
+    input and weight (as nn.Linear does) and casts them again for each backward matmul."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, recipe: Recipe, emulate: bool) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.recipe, ctx.emulate = recipe, emulate
-        return forward_matmul(x, weight, recipe, emulate)
+        return float8_mm(x, weight.t(), recipe.output, x.dtype, emulate)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         x, weight = ctx.saved_tensors
-        grad_input = grad_input_matmul(grad, weight, ctx.recipe, ctx.emulate)
-        grad_weight = grad_weight_matmul(grad, x, ctx.recipe, ctx.emulate, weight.dtype)
+        grad_input = float8_mm(grad, weight, ctx.recipe.grad_input, grad.dtype, ctx.emulate)
+        grad_weight = float8_mm(grad.t(), x, ctx.recipe.grad_weight, weight.dtype, ctx.emulate)
         return grad_input, grad_weight, None, None
 
 

@@ -11,15 +11,12 @@ Every min/max that may see a nan keeps it (the GPU's default fp min/max return t
 input gives a nan scale exactly as on the torch path.
 """
 
-import math
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan.quant.float8.casts import E4M3, E5M2, EPS
+from titan.quant.formats import EPS, float8_format
 
 TENSORWISE_BLOCK = 4096
 """Elements per program of the tensorwise kernels."""
@@ -33,25 +30,6 @@ FIRST_DIM_TILE = (32, 128)
 spreads over dim / 32 programs, each reading 32 contiguous columns of every row."""
 
 _EPS = tl.constexpr(EPS)
-
-
-@dataclass(frozen=True)
-class Float8Format:
-    """What the bit-level conversion needs to know about a float8 dtype."""
-
-    max: float
-    mantissa_bits: int
-    exponent_bias: int
-
-
-def float8_format(float8_dtype: torch.dtype) -> Float8Format:
-    if float8_dtype not in (E4M3, E5M2):
-        raise ValueError(f"float8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 for the Triton casts "
-                         f"(got {float8_dtype}); the fnuz variants encode nan and zero differently.")
-    finfo = torch.finfo(float8_dtype)
-    # eps = 2**-mantissa_bits and smallest_normal = 2**(1 - bias), by definition of both.
-    return Float8Format(max=finfo.max, mantissa_bits=-round(math.log2(finfo.eps)),
-                         exponent_bias=1 - round(math.log2(finfo.smallest_normal)))
 
 
 @triton.jit

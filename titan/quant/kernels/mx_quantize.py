@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from titan.quant.kernels.float8_cast import abs_bits, float8_format, to_float8_bits, view_2d_along
-from titan.quant.mx.numerics import E8M0_NAN, check_blocks, max_exponent
+from titan.quant.formats import E8M0_NAN, check_blocks, float8_format
+from titan.quant.kernels.float8_cast import abs_bits, to_float8_bits, view_2d_along
 
 ROWS_TILE = (16, 4)
 """(kept rows, blocks per row) per program when blocks run along the last, contiguous dim: 16 x 128 elements."""
@@ -70,7 +70,7 @@ def triton_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: in
         x_2d, data_2d.view(torch.uint8), codes_2d, num_kept, num_reduced,
         x_2d.stride(kept_axis), x_2d.stride(reduced_axis), data_2d.stride(kept_axis), data_2d.stride(reduced_axis),
         codes_2d.stride(kept_axis), codes_2d.stride(reduced_axis),
-        EMAX=max_exponent(elem_dtype), FP8_MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
+        EMAX=fmt.max_exponent, FP8_MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
         EXPONENT_BIAS=fmt.exponent_bias, BLOCK_SIZE=block_size, BLOCK_KEPT=block_kept,
         BLOCKS_PER_PROGRAM=blocks_per_program)
     codes_shape = list(x.shape)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from titan.quant.float8.casts import E4M3
-from titan.quant.mx.numerics import BLOCK_SIZE, dequantize, quantize_codes
+from titan.quant.formats import E4M3, MX_BLOCK_SIZE
+from titan.quant.mx.numerics import dequantize, quantize_codes
 from titan.quant.quantized_linear import QuantizedLinear
 
 RECIPES = ("mxfp8",)
@@ -60,14 +60,14 @@ def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tenso
 def local_mx_mm(a: Tensor, b: Tensor, emulate: bool) -> Tensor:
     """a (M, K) @ b (K, N) in MXFP8 for plain tensors, output in a's dtype. A contraction dim that is not a
     multiple of 32 (the tokens of grad_weight) is zero-padded: zeros change no block's amax and add nothing."""
-    pad = -a.shape[1] % BLOCK_SIZE
+    pad = -a.shape[1] % MX_BLOCK_SIZE
     if pad:
         a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
-    a_codes, a_data = quantize_codes(a, BLOCK_SIZE, E4M3, dim=-1)  # codes (M, K / 32)
-    b_codes, b_data = quantize_codes(b, BLOCK_SIZE, E4M3, dim=0)  # codes (K / 32, N)
+    a_codes, a_data = quantize_codes(a, MX_BLOCK_SIZE, E4M3, dim=-1)  # codes (M, K / 32)
+    b_codes, b_data = quantize_codes(b, MX_BLOCK_SIZE, E4M3, dim=0)  # codes (K / 32, N)
     if emulate:
-        a_values = dequantize(a_codes, a_data, BLOCK_SIZE, a.dtype, dim=-1)
-        b_values = dequantize(b_codes, b_data, BLOCK_SIZE, a.dtype, dim=0)
+        a_values = dequantize(a_codes, a_data, MX_BLOCK_SIZE, a.dtype, dim=-1)
+        b_values = dequantize(b_codes, b_data, MX_BLOCK_SIZE, a.dtype, dim=0)
         return a_values @ b_values
     return native_mx_mm(a_codes, a_data, b_codes, b_data, a.dtype)
 

@@ -27,26 +27,14 @@ calls the fused Triton kernel of titan/quant/kernels/mx_quantize.py, which repro
 import torch
 from torch import Tensor
 
-from titan.quant.float8.casts import E4M3, E5M2, cast_to_float8, use_triton
-
-BLOCK_SIZE = 32
-"""Elements per shared scale: the MX spec's block size k for every concrete MX format."""
-E8M0_BIAS = 127
-E8M0_NAN = 0xFF
-ELEMENT_DTYPES = (E4M3, E5M2)
+from titan.quant.float8.casts import cast_to_float8, use_triton
+from titan.quant.formats import E4M3, E8M0_NAN, MX_BLOCK_SIZE, check_blocks, float8_format
 
 _FP32_MANTISSA_BITS = 23
 _FP32_ABS_MASK = 0x7FFFFFFF
 _FP32_INF_BITS = 0x7F800000
 _FP32_NAN_BITS = 0x7FC00000
 _FP32_TWO_POW_MINUS_127_BITS = 0x00400000  # 2**-127: the one E8M0 value that is an fp32 subnormal
-
-
-def max_exponent(elem_dtype: torch.dtype) -> int:
-    """emax_elem: the exponent of the element type's largest normal value (8 for E4M3, 15 for E5M2)."""
-    if elem_dtype not in ELEMENT_DTYPES:
-        raise ValueError(f"MX elements must be torch.float8_e4m3fn or torch.float8_e5m2 (got {elem_dtype}).")
-    return int(torch.finfo(elem_dtype).max).bit_length() - 1  # 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15
 
 
 def scale_codes(amax: Tensor, elem_dtype: torch.dtype) -> Tensor:
@@ -57,7 +45,7 @@ def scale_codes(amax: Tensor, elem_dtype: torch.dtype) -> Tensor:
     """
     amax_bits = amax.float().view(torch.int32) & _FP32_ABS_MASK
     biased_exponent = amax_bits >> _FP32_MANTISSA_BITS
-    codes = torch.clamp(biased_exponent - max_exponent(elem_dtype), min=0)
+    codes = torch.clamp(biased_exponent - float8_format(elem_dtype).max_exponent, min=0)
     return torch.where(amax_bits >= _FP32_INF_BITS, E8M0_NAN, codes)
 
 
@@ -87,13 +75,7 @@ def torch_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int
     return codes.squeeze(-1).movedim(-1, dim).to(torch.uint8), data
 
 
-def check_blocks(x: Tensor, block_size: int, dim: int) -> None:
-    if x.shape[dim] % block_size:
-        raise ValueError(f"MX quantization needs dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) to be "
-                         f"a multiple of block_size {block_size}; pad it or use a dim that is.")
-
-
-def quantize(x: Tensor, block_size: int = BLOCK_SIZE, elem_dtype: torch.dtype = E4M3,
+def quantize(x: Tensor, block_size: int = MX_BLOCK_SIZE, elem_dtype: torch.dtype = E4M3,
              dim: int = -1) -> tuple[Tensor, Tensor]:
     """(scales, data): x in MX blocks of `block_size` elements along `dim` (the last by default).
 
@@ -108,7 +90,6 @@ def quantize(x: Tensor, block_size: int = BLOCK_SIZE, elem_dtype: torch.dtype = 
 def quantize_codes(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int) -> tuple[Tensor, Tensor]:
     """quantize with uint8 codes: the fused Triton kernel on a plain eager CUDA tensor (the float8 casts' rule,
     titan/quant/float8/casts.py use_triton), torch ops elsewhere."""
-    max_exponent(elem_dtype)  # validates elem_dtype on both paths
     if use_triton(x) and dim % x.ndim in (0, x.ndim - 1):
         # Imported on first use so that this module imports where triton does not (CPU-only installs, macOS).
         from titan.quant.kernels.mx_quantize import triton_quantize
@@ -117,8 +98,8 @@ def quantize_codes(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int
     return torch_quantize(x, block_size, elem_dtype, dim)
 
 
-def dequantize(scales: Tensor, data: Tensor, block_size: int = BLOCK_SIZE, out_dtype: torch.dtype = torch.float32,
-               dim: int = -1) -> Tensor:
+def dequantize(scales: Tensor, data: Tensor, block_size: int = MX_BLOCK_SIZE,
+               out_dtype: torch.dtype = torch.float32, dim: int = -1) -> Tensor:
     """The values MX blocks stand for, data * X, as `out_dtype`. `scales` may be float8_e8m0fnu or uint8 codes."""
     codes = scales.view(torch.uint8) if scales.dtype == torch.float8_e8m0fnu else scales
     blocks = data.float().movedim(dim, -1).unflatten(-1, (-1, block_size))  # (..., num_blocks, block_size)

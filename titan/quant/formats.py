@@ -1,0 +1,53 @@
+"""Facts about the low-precision formats that the casts, the Triton kernels, the MX numerics and the converter all
+use: the float8 dtypes and their bit layout, the amax floor of dynamic scaling, and the MX block and E8M0 scale.
+
+It imports nothing from titan, so titan/quant's layers import one way:
+formats <- kernels <- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+EPS = 1e-12
+"""Floor on amax, so an all-zero tensor (a zero-initialised weight, the gradient of an unused branch) scales by
+max / EPS instead of max / 0 = inf, whose 0 * inf would make every element nan. Applied to the fp32 amax, so the
+floor in effect is 1e-12 rounded to fp32. max / EPS (< 6e16 for E5M2) stays far inside fp32 range."""
+
+MX_BLOCK_SIZE = 32
+"""Elements per shared scale: the MX spec's block size k for every concrete MX format."""
+E8M0_NAN = 0xFF
+"""The E8M0 code that is NaN; every other code c stands for the scale 2**(c - 127) (MX spec section 5.4)."""
+
+
+@dataclass(frozen=True)
+class Float8Format:
+    """What the bit-level conversions need to know about a float8 dtype."""
+
+    max: float
+    mantissa_bits: int
+    exponent_bias: int
+    max_exponent: int
+    """Exponent of the largest normal value, the MX spec's emax_elem: 448 = 1.75 * 2**8, 57344 = 1.75 * 2**15."""
+
+
+def float8_format(float8_dtype: torch.dtype) -> Float8Format:
+    if float8_dtype not in (E4M3, E5M2):
+        raise ValueError(f"Titan's float8 casts and MX elements take torch.float8_e4m3fn or torch.float8_e5m2 "
+                         f"(got {float8_dtype}); the fnuz variants encode nan and zero differently.")
+    finfo = torch.finfo(float8_dtype)
+    # eps = 2**-mantissa_bits and smallest_normal = 2**(1 - bias), by definition of both.
+    return Float8Format(max=finfo.max, mantissa_bits=-round(math.log2(finfo.eps)),
+                        exponent_bias=1 - round(math.log2(finfo.smallest_normal)),
+                        max_exponent=int(finfo.max).bit_length() - 1)
+
+
+def check_blocks(x: Tensor, block_size: int, dim: int) -> None:
+    """Raise unless dim `dim` of x splits into whole MX blocks of `block_size` elements."""
+    if x.shape[dim] % block_size:
+        raise ValueError(f"MX quantization needs dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) to be "
+                         f"a multiple of block_size {block_size}; pad it or use a dim that is.")
