@@ -123,7 +123,7 @@ CASES: dict[str, Case] = {
     "local_batch_zero": flag("training.local_batch_size", "0"),
     "seq_len_zero": flag("training.seq_len", "0"),
     "seq_len_too_long": flag("training.seq_len", "999999"),
-    "global_batch_not_multiple": flag("training.global_batch_size", "12"),
+    "global_batch_not_multiple": flag("training.global_batch_size", "13"),
     "global_batch_zero": flag("training.global_batch_size", "0"),
     "global_batch_minus_two": flag("training.global_batch_size", "-2"),
     "max_norm_nan": flag("training.max_norm", "nan"),
