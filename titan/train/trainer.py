@@ -31,7 +31,7 @@ from titan.parallel.dims import (
     data_parallel_rank,
     init_distributed,
     resolve_dims,
-    set_train_timeout,
+    set_collective_timeout,
 )
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
@@ -68,6 +68,7 @@ class Trainer:
         self.dims = resolve_dims(cfg.parallelism, world_size)
         init_distributed(cfg.comm, self.device, world_size)
         self.mesh = build_mesh(self.dims, self.device)
+        set_collective_timeout(self.mesh, cfg.comm.init_timeout_seconds)
         self.dump_folder = Path(cfg.job.dump_folder)
         if self.rank == 0:
             write_config(cfg, self.dump_folder)
@@ -256,7 +257,7 @@ class Trainer:
                     loss, grad_norm = self.train_step(data_iterator)
                     self.tokens_seen += global_tokens_per_step
                     if self.step == 1:
-                        set_train_timeout(self.cfg.comm)
+                        set_collective_timeout(self.mesh, self.cfg.comm.train_timeout_seconds)
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step
