@@ -226,7 +226,10 @@ class Trainer:
             # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
             total_norm = total_norm.full_tensor()
         if self.cfg.training.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, total_norm, foreach=True)
+            # Not foreach: torch 2.11's in-place foreach ops leave Partial DTensors unchanged (in-place ops on Partial
+            # DTensors: pytorch/pytorch#163374), and under TP the sequence-parallel norms' gradients are Partial, so
+            # they went unclipped. torch 2.13 scales them either way.
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, total_norm, foreach=False)
         return total_norm
 
     def should_log(self) -> bool:
