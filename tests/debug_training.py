@@ -1,13 +1,15 @@
-"""Short single-process training runs of the debug model, for the converter tests."""
+"""The debug model's job file and depth, and short single-process training runs of it (for the converter tests)."""
 
 import json
 from pathlib import Path
 
 from titan.config.check import load_job_config
+from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
+NUM_LAYERS = LLAMA3_FLAVORS["debugmodel"].n_layers
 
 
 def train(tmp_path: Path, *args: str) -> tuple[Trainer, list[float]]:

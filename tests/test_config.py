@@ -1,6 +1,7 @@
 """Config parsing, precedence and every config error path, through the real parser and validator."""
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -144,10 +145,31 @@ def test_each_cross_field_rule(args: list[str], field: str) -> None:
     assert len(problems) == 1 and field in problems[0], problems
 
 
-def test_global_batch_suggests_a_valid_value() -> None:
-    (problem,) = problems_for("--training.global_batch_size", "12")
-    assert "Try 8" in problem
-    assert problems_for("--training.global_batch_size", "16") == []
+# A problem starts with the flag it is about and suggests "Try N" for that flag, or "Use --flag N".
+SUGGESTION = re.compile(r"^(--[\w.]+) .*?(?:Try|Use) (?:(--[\w.]+) )?(-?\d+)\b")
+
+
+def follow_suggestion(args: tuple[str, ...], problem: str) -> list[str]:
+    """`args` with the suggested value of the problem's flag appended (the last value of a flag wins)."""
+    match = SUGGESTION.search(problem)
+    assert match, f"no value suggested in: {problem}"
+    return [*args, match.group(2) or match.group(1), match.group(3)]
+
+
+@pytest.mark.parametrize("args, world_size", [
+    (("--training.global_batch_size", "12"), 1),
+    (("--training.global_batch_size", "8"), 2),
+    (("--training.seq_len", "4096"), 1),
+    # heads, kv heads, the padded vocab and seq_len: one suggestion each
+    (("--parallelism.tensor_parallel_degree", "3"), 6),
+])
+def test_following_each_suggestion_fixes_its_problem(args: tuple[str, ...], world_size: int) -> None:
+    """Every problem suggests a value, and rerunning with it removes that problem and adds none."""
+    problems = problems_for(*args, world_size=world_size)
+    assert problems
+    for problem in problems:
+        after = problems_for(*follow_suggestion(args, problem), world_size=world_size)
+        assert problem not in after and set(after) < set(problems), (problem, after)
 
 
 def test_all_problems_reported_together() -> None:
@@ -181,11 +203,6 @@ def test_parallel_rules(args: list[str], world_size: int, fields: list[str]) -> 
     assert len(problems) == len(fields), problems
     for problem, field in zip(problems, fields):
         assert field in problem, (field, problem)
-
-
-def test_tp_divisibility_suggests_valid_degree() -> None:
-    problems = problems_for("--parallelism.tensor_parallel_degree", "3", world_size=3)
-    assert "Try 2" in problems[0] and "Try 192" in problems[2] and "Try 255" in problems[3]
 
 
 def test_written_config_reads_back_identically(tmp_path: Path) -> None:

@@ -62,6 +62,14 @@ def windows(dataset: PackedTokenDataset, count: int) -> list[tuple[torch.Tensor,
     return list(itertools.islice(iter(dataset), count))
 
 
+def assert_same_batches(got: list[tuple[torch.Tensor, torch.Tensor]],
+                        want: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Equal (inputs, labels) batches, as many as expected: a resumed loader that yields fewer, or nothing, fails."""
+    assert len(got) == len(want), (len(got), len(want))
+    for index, (got_batch, want_batch) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(got_batch[0], want_batch[0]) and torch.equal(got_batch[1], want_batch[1]), index
+
+
 # Tokenizer
 
 
@@ -321,8 +329,7 @@ def test_loader_resumes_exactly_at_every_batch(tmp_path: Path, tokenizer: Tokeni
             next(batches)
         resumed = build_dataloader(tokenizer, training, 0, 1)
         resumed.load_state_dict(copy.deepcopy(interrupted.state_dict()))
-        for want, got in zip(reference[k:], itertools.islice(resumed, num_batches - k)):
-            assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), k
+        assert_same_batches(list(itertools.islice(resumed, num_batches - k)), reference[k:])
 
 
 def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
@@ -337,8 +344,7 @@ def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, 
     resumed = build_dataloader(tokenizer, training, dp_rank=1, dp_world_size=2)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
     assert loader.state_dict()["dataset_state"]["epoch"] >= 1
-    for want, got in zip(expected, resumed):
-        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert_same_batches(list(itertools.islice(resumed, len(expected))), expected)
 
 
 # Error paths
@@ -422,8 +428,7 @@ def test_hf_local_folder_shards_and_resumes(tmp_path: Path, tokenizer: Tokenizer
         next(batches)
     resumed = build_dataloader(tokenizer, training, 1, 3)
     resumed.load_state_dict(interrupted.state_dict())
-    for want, got in zip(reference[2:], resumed):
-        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert_same_batches(list(itertools.islice(resumed, len(reference) - 2)), reference[2:])
 
 
 def test_hf_without_datasets_package(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:

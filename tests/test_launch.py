@@ -2,11 +2,12 @@
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
-from train_script import losses_of, run_train
+from train_script import losses_by_step, losses_of, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,6 +95,27 @@ def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
     assert result.returncode == 2, output
     assert "must multiply to the world size 2" in output and "Traceback" not in output
 
+
+
+def test_ngpu2_nonfinite_loss_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
+    """A real divergence (lr 1e30, no clipping) under FSDP=2, where each rank reads its own batch: both ranks see
+    the global loss and gradient norm, stop at the same step with exit code 3 and the hint, and that step is
+    never checkpointed."""
+    result = run_train(*SHORT, "--training.local_batch_size", "2", "--optimizer.lr", "1e30",
+                       "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0",
+                       "--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable",
+                       "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path), env={"NGPU": "2"})
+    output = result.stdout + result.stderr
+    assert result.returncode == 3, output
+    messages = dict(re.findall(r"\[rank(\d)\] ERROR (Stopping: .*)", output))
+    assert messages.keys() == {"0", "1"}, output
+    step = int(re.search(r" at step (\d+);", messages["0"]).group(1))
+    for message in messages.values():
+        assert f" at step {step};" in message and "--optimizer.lr" in message
+        assert "--training.max_norm 1.0" in message  # the hint for a run without clipping
+    assert max(losses_by_step(tmp_path)) == step - 1
+    assert sorted(int(p.name.split("-")[1]) for p in (tmp_path / "checkpoint").iterdir()) == list(range(1, step))
+    assert "Traceback" not in output
 
 MX_COMMAND = ["--model.print_after_conversion", "--training.compile", "--training.steps", "8", "--training.seq_len",
               "64", "--metrics.log_freq", "1", "--model.converters", "mx", "--mx.recipe_name", "mxfp8", "--mx.emulate"]

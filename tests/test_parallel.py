@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.train.trainer import Trainer
@@ -81,6 +82,69 @@ def test_fsdp_and_tp_on_four_processes(tmp_path: Path, reference_dp2: dict) -> N
                       "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2")
     assert_same_run(got, reference_dp2)
 
+
+def run_probe(tmp_path: Path, nprocs: int, *flags: str) -> dict:
+    """One step of Trainer.run on `nprocs` processes without clipping (it would rescale the gradients), probed by
+    tests/trainer_probe.py."""
+    out = tmp_path / "probe.pt"
+    run_torchrun("trainer_probe.py", nprocs, str(out), *BASE, "--job.dump_folder", str(tmp_path), "--training.steps",
+                 "1", "--training.max_norm", "0", "--training.local_batch_size", "2", *flags)
+    return torch.load(out)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_always_bf16_reduce(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_probe(tmp_path_factory.mktemp("always"), 2, "--parallelism.data_parallel_shard_degree", "2",
+                     "--parallelism.fsdp_reshard_after_forward", "always", "--training.mixed_precision_reduce",
+                     "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def fsdp2_never(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_probe(tmp_path_factory.mktemp("never"), 2, "--parallelism.data_parallel_shard_degree", "2",
+                     "--parallelism.fsdp_reshard_after_forward", "never")
+
+
+COMM_TIMEOUTS = ["--comm.init_timeout_seconds", "123", "--comm.train_timeout_seconds", "45"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_tp2_default(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """FSDP=2 x TP=2: the mesh's dimensions are groups smaller than the world, created apart from the default one."""
+    return run_probe(tmp_path_factory.mktemp("default"), 4, "--parallelism.data_parallel_shard_degree", "2",
+                     "--parallelism.tensor_parallel_degree", "2", *COMM_TIMEOUTS)
+
+
+@pytest.mark.parametrize("probe, blocks, root", [
+    ("fsdp2_always_bf16_reduce", [True] * NUM_LAYERS, True),
+    ("fsdp2_never", [False] * NUM_LAYERS, False),
+    # default: every block but the last, whose backward starts right after forward; the root is used first in
+    # backward, so it stays gathered too
+    ("fsdp2_tp2_default", [True] * (NUM_LAYERS - 1) + [False], False),
+], ids=["always", "never", "default"])
+def test_fsdp_reshard_after_forward(request: pytest.FixtureRequest, probe: str, blocks: list[bool],
+                                    root: bool) -> None:
+    """Right after forward, a block's parameters are back to FSDP shards exactly where the policy reshards."""
+    assert request.getfixturevalue(probe)["after_forward"] == {"blocks": blocks, "root": root}
+
+
+def test_mixed_precision_reduce_bfloat16_rounds_gradients(fsdp2_always_bf16_reduce: dict, fsdp2_never: dict) -> None:
+    """Gradients reduced in bfloat16 (then stored in the float32 parameters' dtype) are bfloat16 values; the
+    default float32 reduction keeps float32's finer mantissa."""
+    def all_bfloat16(gradients: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(g, g.bfloat16().float()) for g in gradients.values())
+
+    assert all(g.dtype == torch.float32 for g in fsdp2_always_bf16_reduce["gradients"].values())
+    assert all_bfloat16(fsdp2_always_bf16_reduce["gradients"])
+    assert not all_bfloat16(fsdp2_never["gradients"])
+
+
+def test_comm_timeouts_reach_every_process_group(fsdp2_tp2_default: dict) -> None:
+    """--comm.init_timeout_seconds holds for setup and the first step, --comm.train_timeout_seconds after it, on the
+    default group and on every mesh group that FSDP, TP and the loss average use."""
+    groups = ["default", "dp_replicate", "dp_shard", "tp", "dp"]
+    assert fsdp2_tp2_default["setup_timeouts"] == dict.fromkeys(groups, 123)
+    assert fsdp2_tp2_default["train_timeouts"] == dict.fromkeys(groups, 45)
 
 def run_losses(tmp_path: Path, *flags: str) -> list[float]:
     trainer = Trainer(load_job_config([*BASE, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",

@@ -2,11 +2,17 @@
 
 import json
 import math
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.train.nan_guard import NonFiniteLossError, check_finite, stop_hints
 from titan.train.trainer import Trainer
@@ -67,13 +73,73 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
         torch.testing.assert_close(p_acc, p_big, rtol=1e-4, atol=1e-5)
 
 
-def test_lr_follows_warmup_and_decay(tmp_path: Path) -> None:
-    build_trainer(tmp_path, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2",
-                  "--lr_scheduler.min_lr_factor", "0.1", "--optimizer.lr", "1e-3").run()
-    lrs = [r["lr"] for r in read_metrics(tmp_path)]
-    expected = [1e-3 / 3, 2e-3 / 3, 1e-3 * (0.1 + 0.9 * 0.75), 1e-3 * (0.1 + 0.9 * 0.5),
-                1e-3 * (0.1 + 0.9 * 0.25), 1e-3 * 0.1]
-    torch.testing.assert_close(lrs, expected)
+PEAK_LR, MIN_LR_FACTOR = 1e-3, 0.1
+WARMUP = [PEAK_LR * 1 / 3, PEAK_LR * 2 / 3]  # 2 warmup steps: (i + 1) / (warmup + 1) of the peak
+
+
+def decayed(curve: float) -> float:
+    """The lr at `curve` (1 at the peak, 0 at the end of the decay) above the floor."""
+    return PEAK_LR * (MIN_LR_FACTOR + (1 - MIN_LR_FACTOR) * curve)
+
+
+QUARTERS = (1 / 4, 2 / 4, 3 / 4, 1)  # decay progress over the 4 steps after warmup
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], WARMUP + [decayed(1 - p) for p in QUARTERS]),
+    (["--lr_scheduler.decay_type", "sqrt"], WARMUP + [decayed(1 - math.sqrt(p)) for p in QUARTERS]),
+    (["--lr_scheduler.decay_type", "cosine"], WARMUP + [decayed(0.5 * (1 + math.cos(math.pi * p))) for p in QUARTERS]),
+    # WSD: the last half of all 6 steps decays, the step between warmup and decay stays at the peak
+    (["--lr_scheduler.decay_ratio", "0.5"], WARMUP + [PEAK_LR] + [decayed(1 - p) for p in (1 / 3, 2 / 3, 1)]),
+], ids=["linear", "sqrt", "cosine", "decay_ratio"])
+def test_lr_follows_warmup_and_decay(tmp_path: Path, flags: list[str], expected: list[float]) -> None:
+    """The lr each step trained with, against the schedule's definition: linear warmup, then the decay curve."""
+    build_trainer(tmp_path, "--training.steps", "6", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.min_lr_factor",
+                  str(MIN_LR_FACTOR), "--optimizer.lr", str(PEAK_LR), *flags).run()
+    torch.testing.assert_close([r["lr"] for r in read_metrics(tmp_path)], expected)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_adam_adds_weight_decay_to_the_gradient_adamw_decouples_it(tmp_path: Path, name: str) -> None:
+    """One optimizer step against both definitions. On the first step Adam's m / sqrt(v) is g / |g| (bias
+    corrected), so Adam moves w by lr (g + wd w) / (|g + wd w| + eps), and AdamW by lr g / (|g| + eps) + lr wd w."""
+    weight_decay = 0.5
+    trainer = build_trainer(tmp_path, "--training.steps", "10", "--lr_scheduler.warmup_steps", "0", "--optimizer.lr",
+                            "1e-2", "--optimizer.name", name, "--optimizer.weight_decay", str(weight_decay))
+    before = {fqn: p.detach().clone() for fqn, p in trainer.model.named_parameters()}
+    trainer.step += 1
+    trainer.train_step(iter(trainer.dataloader))
+    lr, eps = trainer.current_lr, trainer.cfg.optimizer.eps
+    differs_from_other = False
+    for fqn, param in trainer.model.named_parameters():
+        w, g = before[fqn], param.grad  # the clipped gradient the optimizer stepped with
+        with_decay = g + weight_decay * w
+        adam = w - lr * with_decay / (with_decay.abs() + eps)
+        adamw = w - lr * g / (g.abs() + eps) - lr * weight_decay * w
+        want, other = (adam, adamw) if name == "Adam" else (adamw, adam)
+        torch.testing.assert_close(param.detach(), want, rtol=0, atol=1e-6, msg=fqn)
+        differs_from_other |= not torch.allclose(param.detach(), other, rtol=0, atol=1e-6)
+    assert differs_from_other, "the two optimizers' steps must differ for this test to tell them apart"
+
+
+@pytest.fixture
+def deterministic_algorithms_restored() -> Iterator[None]:
+    """Start with torch's deterministic-algorithms mode off; restore its setting afterwards (it is process-wide)."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def test_deterministic_allows_only_deterministic_algorithms(tmp_path: Path, deterministic_algorithms_restored) -> None:
+    """--training.deterministic turns on torch's deterministic mode, in which an op without a deterministic
+    implementation (put_ with repeated indices) raises instead of running; the losses are the default run's."""
+    build_trainer(tmp_path / "default", "--training.steps", "2").run()
+    torch.zeros(2).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+    build_trainer(tmp_path / "deterministic", "--training.steps", "2", "--training.deterministic").run()
+    with pytest.raises(RuntimeError, match="put_ does not have a deterministic implementation"):
+        torch.zeros(2).put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
+    assert read_metrics(tmp_path / "deterministic")[-1]["loss"] == read_metrics(tmp_path / "default")[-1]["loss"]
 
 
 @pytest.fixture
@@ -133,8 +199,57 @@ def test_bf16_autocast_trains(tmp_path: Path) -> None:
 
 
 def test_compile_matches_eager(tmp_path: Path) -> None:
+    """Every block is compiled and dynamo really traced it: two graphs, one that all blocks share and one for the
+    loss (the loss alone would be one). The losses are eager's."""
     build_trainer(tmp_path / "eager", "--training.steps", "3").run()
-    build_trainer(tmp_path / "compiled", "--training.steps", "3", "--training.compile").run()
-    eager = [r["loss"] for r in read_metrics(tmp_path / "eager")]
-    compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()  # compile afresh: graphs cached by an earlier test would leave nothing to count
+    counters.clear()
+    compiled = build_trainer(tmp_path / "compiled", "--training.steps", "3", "--training.compile")
+    compiled.run()
+    assert all(block._compiled_call_impl is not None for block in compiled.model.layers.values())
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    eager_losses = [r["loss"] for r in read_metrics(tmp_path / "eager")]
+    compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=1e-4)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten op calls below autograd: forward, backward and activation recompute alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# A step without recompute: 7 matmuls per block (wq wk wv wo w1 w3 w2) and the output projection in forward,
+# and two per matmul (input and weight gradients) in backward.
+STEP_MATMULS = 3 * (7 * NUM_LAYERS + 1)
+ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+@pytest.mark.parametrize("flags, wrapped, attention_calls, recomputed_matmuls", [
+    ([], [], NUM_LAYERS, 0),
+    # Full: each block's forward runs again in backward, up to its last matmul (w2), whose output backward
+    # does not need: non-reentrant checkpointing stops recomputing there.
+    (["--activation_checkpoint.mode", "full"], list(range(NUM_LAYERS)), 2 * NUM_LAYERS, 6 * NUM_LAYERS),
+    # Selective by op: attention outputs are kept, every second matmul of a block (wk, wo, w3) is recomputed.
+    (["--activation_checkpoint.mode", "selective"], list(range(NUM_LAYERS)), NUM_LAYERS, 3 * NUM_LAYERS),
+    # Every 2nd block, fully.
+    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
+     list(range(0, NUM_LAYERS, 2)), NUM_LAYERS + NUM_LAYERS // 2, 6 * (NUM_LAYERS // 2)),
+], ids=["none", "full", "selective-op", "selective-every-2"])
+def test_activation_checkpointing_recomputes_in_backward(tmp_path: Path, flags: list[str], wrapped: list[int],
+                                                         attention_calls: int, recomputed_matmuls: int) -> None:
+    """The trainer's blocks are checkpoint-wrapped as the mode says, and one step runs exactly the forward ops
+    that mode recomputes a second time."""
+    trainer = build_trainer(tmp_path, "--training.steps", "1", *flags)
+    assert [int(i) for i, block in trainer.model.layers.items() if isinstance(block, CheckpointWrapper)] == wrapped
+    trainer.step += 1
+    with OpCounter() as ops:
+        trainer.train_step(iter(trainer.dataloader))
+    assert ops.calls[ATTENTION] == attention_calls
+    assert ops.calls[torch.ops.aten.mm.default] == STEP_MATMULS + recomputed_matmuls

@@ -84,11 +84,17 @@ def destroy_distributed(wait_for_peers: bool) -> None:
         dist.destroy_process_group()
 
 
-def set_train_timeout(comm: Comm) -> None:
-    """Shorten the collective timeout once the first step has passed: setup can be slow, a hang later
-    should fail fast. torch has no public setter; _set_pg_timeout is what torchtitan uses too."""
-    if dist.is_initialized():
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=comm.train_timeout_seconds), None)
+def set_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:
+    """Give the default process group and every group of `mesh` this collective timeout: the init timeout for
+    setup and the first step, then a shorter one, since setup can be slow and a hang later should fail fast.
+    FSDP, TP and the loss average run on the mesh's groups, and those init_device_mesh creates for a dimension
+    smaller than the world start with torch's 30-minute default. torch has no public setter; _set_pg_timeout
+    is what torchtitan uses too."""
+    if mesh is None:
+        return
+    timeout = timedelta(seconds=seconds)
+    for group in (None, *(mesh[name].get_group() for name in (*MESH_DIMS, "dp"))):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:

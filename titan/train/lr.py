@@ -37,7 +37,8 @@ def build_lr_scheduler(optimizer: Optimizer, cfg: LRScheduler, total_steps: int)
         logger.info(f"--lr_scheduler.warmup_steps {cfg.warmup_steps} exceeds --training.steps {total_steps}; "
                     f"warming up over all {warmup_steps} steps.")
     after_warmup = total_steps - warmup_steps
-    decay_steps = after_warmup if cfg.decay_ratio is None else round(cfg.decay_ratio * after_warmup)
+    # decay_ratio is a fraction of all steps (as in torchtitan); the decay can't start before warmup ends.
+    decay_steps = after_warmup if cfg.decay_ratio is None else min(round(cfg.decay_ratio * total_steps), after_warmup)
     stable_steps = after_warmup - decay_steps
 
     def factor(step_index: int) -> float:

@@ -31,7 +31,7 @@ from titan.parallel.dims import (
     data_parallel_rank,
     init_distributed,
     resolve_dims,
-    set_train_timeout,
+    set_collective_timeout,
 )
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
@@ -69,6 +69,7 @@ class Trainer:
         self.dims = resolve_dims(cfg.parallelism, world_size)
         init_distributed(cfg.comm, self.device, world_size)
         self.mesh = build_mesh(self.dims, self.device)
+        set_collective_timeout(self.mesh, cfg.comm.init_timeout_seconds)
         self.dump_folder = Path(cfg.job.dump_folder)
         set_seed(cfg.training.seed, cfg.training.deterministic)
 
@@ -224,7 +225,10 @@ class Trainer:
             # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
             total_norm = total_norm.full_tensor()
         if self.cfg.training.max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, total_norm, foreach=True)
+            # Not foreach: torch 2.11's in-place foreach ops leave Partial DTensors unchanged (in-place ops on Partial
+            # DTensors: pytorch/pytorch#163374), and under TP the sequence-parallel norms' gradients are Partial, so
+            # they went unclipped. torch 2.13 scales them either way.
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.training.max_norm, total_norm, foreach=False)
         return total_norm
 
     def should_log(self) -> bool:
@@ -257,7 +261,7 @@ class Trainer:
                     loss, grad_norm = self.train_step(data_iterator)
                     self.tokens_seen += global_tokens_per_step
                     if self.step == 1:
-                        set_train_timeout(self.cfg.comm)
+                        set_collective_timeout(self.mesh, self.cfg.comm.train_timeout_seconds)
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step

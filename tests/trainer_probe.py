@@ -1,0 +1,62 @@
+"""Run Titan's training loop (Trainer.run) under torchrun and save what losses can't show, for the parallel tests.
+
+    torchrun --nproc_per_node 2 tests/trainer_probe.py OUT.pt [titan flags]
+
+OUT holds rank 0's view: which parameters were sharded by FSDP right after the first forward, each process group's
+collective timeout after setup and after training, and the local gradient shards of the last step.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan.config.check import load_job_config  # noqa: E402
+from titan.metrics.log import init_logger  # noqa: E402
+from titan.parallel.dims import MESH_DIMS, destroy_distributed  # noqa: E402
+from titan.train.trainer import Trainer  # noqa: E402
+
+
+def fsdp_sharded(module: nn.Module) -> bool:
+    """Whether `module`'s first parameter is FSDP's shard (a DTensor on a mesh with the dp_shard dimension) rather
+    than the gathered parameter (a plain tensor, or a DTensor on the tp mesh alone)."""
+    param = next(module.parameters())
+    return isinstance(param, DTensor) and "dp_shard" in (param.device_mesh.mesh_dim_names or ())
+
+
+def group_timeouts(trainer: Trainer) -> dict[str, float]:
+    """Collective timeout in seconds of the default process group and of each mesh dimension's group."""
+    groups = {"default": dist.distributed_c10d._get_default_group()}
+    groups.update({name: trainer.mesh[name].get_group() for name in (*MESH_DIMS, "dp")})
+    return {name: group._get_backend(trainer.device).options._timeout.total_seconds()
+            for name, group in groups.items()}
+
+
+def main() -> None:
+    out, flags = sys.argv[1], sys.argv[2:]
+    init_logger()
+    trainer = Trainer(load_job_config(flags, int(os.environ["WORLD_SIZE"])), int(os.environ["WORLD_SIZE"]))
+    setup_timeouts = group_timeouts(trainer)
+    after_forward: list[dict] = []
+
+    def record(model: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        after_forward.append({"blocks": [fsdp_sharded(block) for block in model.layers.values()],
+                              "root": fsdp_sharded(model.tok_embeddings)})
+
+    trainer.model.register_forward_hook(record)  # runs after FSDP's own post-forward hooks, registered earlier
+    trainer.run()
+    gradients = {fqn: param.grad.to_local() for fqn, param in trainer.model.named_parameters()}
+    if trainer.rank == 0:
+        torch.save({"after_forward": after_forward[0], "setup_timeouts": setup_timeouts,
+                    "train_timeouts": group_timeouts(trainer), "gradients": gradients}, out)
+    destroy_distributed(wait_for_peers=True)
+
+
+if __name__ == "__main__":
+    main()
