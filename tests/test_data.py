@@ -214,7 +214,9 @@ def test_train_tokenizer_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     argv = ["train_tokenizer.py", "--vocab-size", "500", "--input", str(text_file), str(jsonl_file),
             "--output", str(output)]
     monkeypatch.setattr(sys, "argv", argv)
-    runpy.run_path(str(ROOT / "scripts" / "train_tokenizer.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(ROOT / "scripts" / "train_tokenizer.py"), run_name="__main__")
+    assert exit_.value.code == 0
     assert len(output.read_bytes().splitlines()) == 498
     assert build_tokenizer(str(output)).vocab_size == 500
 
