@@ -162,6 +162,7 @@ def follow_suggestion(args: tuple[str, ...], problem: str) -> list[str]:
     (("--training.seq_len", "4096"), 1),
     # heads, kv heads, the padded vocab and seq_len: one suggestion each
     (("--parallelism.tensor_parallel_degree", "3"), 6),
+    (("--parallelism.tensor_parallel_degree", "3"), 3),  # the suggested degree must divide the world size too
 ])
 def test_following_each_suggestion_fixes_its_problem(args: tuple[str, ...], world_size: int) -> None:
     """Every problem suggests a value, and rerunning with it removes that problem and adds none."""

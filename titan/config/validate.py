@@ -190,7 +190,7 @@ def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
     args = LLAMA3_FLAVORS[cfg.model.flavor]
     sizes = (("attention heads", args.n_heads), ("kv heads", args.n_kv_heads), ("FFN hidden size", ffn_hidden_dim(args)))
     problems = [f"--parallelism.tensor_parallel_degree {tp} must divide the {what} of --model.flavor "
-                f"{cfg.model.flavor} ({size}). Try {largest_divisor_at_most(size, tp)}."
+                f"{cfg.model.flavor} ({size}). Try {largest_divisor_at_most(tp, size, world_size)}."
                 for what, size in sizes if size % tp]
     if cfg.model.vocab_size_multiple_of % tp:
         problems.append(f"--model.vocab_size_multiple_of {cfg.model.vocab_size_multiple_of} must be a multiple of "
@@ -292,8 +292,9 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
-def largest_divisor_at_most(size: int, limit: int) -> int:
-    return max(d for d in range(1, limit + 1) if size % d == 0)
+def largest_divisor_at_most(limit: int, *sizes: int) -> int:
+    """The largest degree up to `limit` that divides every one of `sizes` (a shape and the world size)."""
+    return max(d for d in range(1, limit + 1) if all(size % d == 0 for size in sizes))
 
 
 def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
