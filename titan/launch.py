@@ -34,9 +34,8 @@ def nodes_and_processes(args: Namespace) -> tuple[int, int]:
         per_node = determine_local_world_size(args.nproc_per_node)
     except ValueError as error:
         per_node = 0
-        reason = f" ({error})" if "Unsupported" not in str(error) else ""
         problems.append(f"--nproc_per_node {args.nproc_per_node!r} (NGPU for run_train.sh) must be a whole number of "
-                        f"processes, at least 1, or one of gpu, cpu, auto{reason}. Try NGPU=1.")
+                        f"processes, at least 1, or one of gpu, cpu, auto (torchrun: {error}). Try NGPU=1.")
     else:
         if per_node < 1:
             problems.append(f"--nproc_per_node {args.nproc_per_node!r} (NGPU for run_train.sh) must be at least 1. "

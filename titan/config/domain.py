@@ -77,7 +77,7 @@ Fraction = bounded(float, Range(low=0, high=1))
 OptionalFraction = bounded(float, Range(low=0, high=1), optional=True)
 
 
-def field_range(section_cls: type, name: str) -> Range | None:
-    """The Range declared on a config field's type, or None for fields without one (strings, choices, flags)."""
-    hint = typing.get_type_hints(section_cls, include_extras=True)[name]
-    return next((m for m in getattr(hint, "__metadata__", ()) if isinstance(m, Range)), None)
+def field_ranges(section_cls: type) -> dict[str, Range]:
+    """Field name -> the Range declared on its type, for the fields of a config section that declare one."""
+    return {name: domain for name, hint in typing.get_type_hints(section_cls, include_extras=True).items()
+            for domain in getattr(hint, "__metadata__", ()) if isinstance(domain, Range)}

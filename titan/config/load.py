@@ -38,8 +38,8 @@ def parse_args(argv: list[str]) -> JobConfig:
 
 def switch_flags() -> set[str]:
     """`--section.name` of every boolean field."""
-    return {f"--{section.name}.{f.name}" for section in dataclasses.fields(JobConfig)
-            for f in dataclasses.fields(section.type) if typing.get_type_hints(section.type)[f.name] is bool}
+    return {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
+            for name, hint in typing.get_type_hints(section.type).items() if hint is bool}
 
 
 def switches_without_values(argv: list[str]) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from titan.config.domain import field_range
+from titan.config.domain import field_ranges
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.paths import resolve_path
@@ -40,13 +40,12 @@ def check_domains(cfg: JobConfig) -> tuple[list[str], set[str]]:
     defaults = JobConfig()
     for section_field in dataclasses.fields(cfg):
         section = getattr(cfg, section_field.name)
-        for f in dataclasses.fields(section):
-            domain = field_range(type(section), f.name)
-            value = getattr(section, f.name)
-            if domain is None or value is None or domain.contains(value):
+        for field_name, domain in field_ranges(type(section)).items():
+            value = getattr(section, field_name)
+            if value is None or domain.contains(value):
                 continue
-            name = f"{section_field.name}.{f.name}"
-            default = getattr(getattr(defaults, section_field.name), f.name)
+            name = f"{section_field.name}.{field_name}"
+            default = getattr(getattr(defaults, section_field.name), field_name)
             problems.append(f"--{name} {value} must be {domain.describe()}. Try {default} (the default).")
             bad_fields.add(name)
     return problems, bad_fields
