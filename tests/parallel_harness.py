@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -78,10 +79,16 @@ def main() -> None:
         losses.append(trainer.train_step(data)[0])
     if world_size == 1:
         weights = {name: value.detach().cpu() for name, value in trainer.model.state_dict().items()}
+    elif trainer.dims.pp_enabled:
+        # Each pipeline rank holds its stages' weights: gather every rank's full tensors and merge them.
+        own = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        shares: list[dict] = [{} for _ in range(world_size)]
+        dist.all_gather_object(shares, {name: value.detach().cpu() for name, value in own.items()})
+        weights = {name: value for share in shares for name, value in share.items()}
     else:
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result = {"losses": losses, "weights": weights}
-    if trainer.dims.dp_shard > 1:
+    if trainer.dims.dp_shard > 1 and not trainer.dims.pp_enabled:  # a pipeline has no single forward to record
         result.update(forward_wire_record(trainer, next(data)[0]))
     if trainer.rank == 0:
         torch.save(result, out)

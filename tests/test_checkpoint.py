@@ -64,6 +64,23 @@ def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> N
     assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
 
 
+@pytest.mark.parametrize("flags", [
+    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2"],
+], ids=["pp2"])
+def test_resume_on_one_process_from_another_layout(tmp_path: Path, flags: list[str]) -> None:
+    """Saved by 2 processes in another layout at step 10, resumed by one: the same per-step losses as the 2-process
+    run that went on (to reduction-order rounding), so every part of the checkpoint is layout-free."""
+    straight = tmp_path / "straight"
+    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=2)
+    resumed = tmp_path / "resumed"
+    resume_from_step_10(straight, resumed)
+    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT)
+    restored = re.search(r"checkpoint/step-10: step 10, (.*) restored", result.stdout)
+    assert restored and {"model", "optimizer", "lr_scheduler", "dataloader"} <= set(restored.group(1).split(", "))
+    want, got = losses_by_step(straight), losses_by_step(resumed)
+    assert [got[s] for s in range(11, STEPS + 1)] == pytest.approx([want[s] for s in range(11, STEPS + 1)], rel=1e-5)
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL `pid` and every descendant, as a node failure would: torchrun starts its workers in their own
     sessions, so killing the launcher's process group alone would leave the worker training."""

@@ -187,8 +187,16 @@ def test_world_size_is_validated() -> None:
 
 
 @pytest.mark.parametrize("args, world_size, fields", [
-    (["--parallelism.pipeline_parallel_degree", "2"], 2, ["--parallelism.pipeline_parallel_degree 2"]),
-    (["--parallelism.context_parallel_degree", "2"], 2, ["--parallelism.context_parallel_degree 2"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+      "--parallelism.pipeline_parallel_split_points", "layers.3"], 2, ["runs exactly 2 stage(s)"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+      "--training.local_batch_size", "5"], 2, ["and a multiple of 2, but --training.local_batch_size 5"]),
+    (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",
+      "--training.seq_len", "36"], 8, ["--parallelism.context_parallel_degree 2 (and its 1/2 share by "
+                                        "--parallelism.tensor_parallel_degree 4): context parallel splits each "
+                                        "sequence into 4 load-balanced chunks. Try 32."]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2",
+      "--parallelism.tensor_parallel_degree", "2"], 4, ["--parallelism.pipeline_parallel_degree 2 x"]),
     (["--parallelism.tensor_parallel_degree", "3"], 3,
      ["attention heads", "kv heads", "--model.vocab_size_multiple_of 64", "--training.seq_len 256"]),
     (["--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel"], 2,

@@ -83,6 +83,43 @@ def test_fsdp_and_tp_on_four_processes(tmp_path: Path, reference_dp2: dict) -> N
     assert_same_run(got, reference_dp2)
 
 
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("schedule, split", [
+    ("GPipe", ["--parallelism.pipeline_parallel_split_points", "layers.2"]),  # uneven: blocks 0-1 | 2-5
+    ("1F1B", []),
+    ("Interleaved1F1B", []),  # 4 stages of 1, 2, 2, 1 blocks; rank 0 runs stages 0 and 2
+    ("InterleavedZeroBubble", []),
+    ("ZBVZeroBubble", []),  # a V: rank 0 runs stages 0 and 3, so it computes the loss
+])
+def test_pipeline_schedules_match_one_process(tmp_path: Path, reference_dp1: dict, schedule: str,
+                                              split: list[str]) -> None:
+    """4 micro-batches of 1 sequence through 2 pipeline ranks: the same losses and final weights as one process."""
+    got = run_harness(tmp_path, f"pp2_{schedule}", 2, 1, "--training.local_batch_size", "4", *PP2,
+                      "--parallelism.pipeline_parallel_schedule", schedule, *split)
+    assert_same_run(got, reference_dp1)
+
+
+def test_pipeline_microbatches_compose_with_gradient_accumulation(tmp_path: Path) -> None:
+    """Global batch 8 = 2 accumulation steps x 2 micro-batches of 2 sequences, against one process accumulating."""
+    accumulate = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
+    reference = run_harness(tmp_path, "ref_accumulate", 1, 1, *accumulate)
+    got = run_harness(tmp_path, "pp2_accumulate", 2, 1, *accumulate, *PP2,
+                      "--parallelism.pipeline_parallel_microbatch_size", "2")
+    assert_same_run(got, reference)
+
+
+@pytest.mark.parametrize("name, data_shards, flags", [
+    ("pp2_fsdp2", 2, ["--training.local_batch_size", "2", *PP2, "--parallelism.data_parallel_shard_degree", "2"]),
+    ("pp2_tp2", 1, ["--training.local_batch_size", "4", *PP2, "--parallelism.tensor_parallel_degree", "2"]),
+])
+def test_pipeline_with_fsdp_or_tp_on_four_processes(tmp_path: Path, reference_dp1: dict, reference_dp2: dict,
+                                                    name: str, data_shards: int, flags: list[str]) -> None:
+    got = run_harness(tmp_path, name, 4, 1, *flags)
+    assert_same_run(got, reference_dp2 if data_shards == 2 else reference_dp1)
+
+
 def run_probe(tmp_path: Path, nprocs: int, *flags: str) -> dict:
     """One step of Trainer.run on `nprocs` processes without clipping (it would rescale the gradients), probed by
     tests/trainer_probe.py."""
@@ -142,7 +179,7 @@ def test_mixed_precision_reduce_bfloat16_rounds_gradients(fsdp2_always_bf16_redu
 def test_comm_timeouts_reach_every_process_group(fsdp2_tp2_default: dict) -> None:
     """--comm.init_timeout_seconds holds for setup and the first step, --comm.train_timeout_seconds after it, on the
     default group and on every mesh group that FSDP, TP and the loss average use."""
-    groups = ["default", "dp_replicate", "dp_shard", "tp", "dp"]
+    groups = ["default", "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "fsdp", "loss"]
     assert fsdp2_tp2_default["setup_timeouts"] == dict.fromkeys(groups, 123)
     assert fsdp2_tp2_default["train_timeouts"] == dict.fromkeys(groups, 45)
 

@@ -33,7 +33,9 @@ def fsdp_sharded(module: nn.Module) -> bool:
 def group_timeouts(trainer: Trainer) -> dict[str, float]:
     """Collective timeout in seconds of the default process group and of each mesh dimension's group."""
     groups = {"default": dist.distributed_c10d._get_default_group()}
-    groups.update({name: trainer.mesh[name].get_group() for name in (*MESH_DIMS, "dp")})
+    groups.update({name: trainer.meshes.root[name].get_group() for name in MESH_DIMS})
+    groups.update({"dp": trainer.meshes.dp.get_group(), "fsdp": trainer.meshes.fsdp.get_group(),
+                   "loss": trainer.meshes.loss.get_group()})
     return {name: group._get_backend(trainer.device).options._timeout.total_seconds()
             for name, group in groups.items()}
 

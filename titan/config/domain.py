@@ -62,6 +62,8 @@ def bounded(kind: type, domain: Range, optional: bool = False) -> Any:
 
 Count = bounded(int, Range(low=1))
 """Steps, sizes, frequencies, degrees: 1 or more."""
+OptionalCount = bounded(int, Range(low=1), optional=True)
+"""A count, or None where the field says what None derives."""
 CountOrAuto = bounded(int, Range(low=1, special=(-1,)))
 """A count, or -1 for "derive it" (documented on each field)."""
 NonNegativeInt = bounded(int, Range(low=0))

@@ -14,6 +14,7 @@ from titan.config.domain import (
     Fraction,
     NonNegativeFloat,
     NonNegativeInt,
+    OptionalCount,
     OptionalFraction,
     PositiveFloat,
     Seed,
@@ -170,9 +171,29 @@ class Parallelism:
     enable_async_tensor_parallel: bool = False
     """Overlap tensor-parallel communication with matmuls (micro-pipelining). Needs CUDA and --training.compile."""
     pipeline_parallel_degree: Count = 1
-    """Reserved: pipeline parallelism is not supported yet; must be 1."""
+    """Ranks that each hold a slice of the layers (pipeline stages) and pass activations on to the next. The
+    outermost dimension: it communicates least, so it is the one to span nodes. 1: no pipeline."""
+    pipeline_parallel_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                                        "ZBVZeroBubble"] = "1F1B"
+    """torch.distributed.pipelining schedule. GPipe and 1F1B run one stage per rank; Interleaved1F1B, LoopedBFS and
+    InterleavedZeroBubble run several (looped, a smaller bubble); ZBVZeroBubble runs exactly two per rank in a V."""
+    pipeline_parallel_microbatch_size: Count = 1
+    """Sequences per pipeline micro-batch: --training.local_batch_size is split into local_batch_size / this many
+    micro-batches, which keep the stages busy (more micro-batches, a smaller bubble)."""
+    pipeline_parallel_layers_per_stage: OptionalCount = None
+    """Transformer blocks per pipeline stage; the number of stages is the layer count over it, and stages per rank
+    follow (several for looped schedules). None: one stage per rank (two for looped schedules), blocks spread
+    evenly with any remainder on the middle stages."""
+    pipeline_parallel_split_points: list[str] = field(default_factory=list)
+    """Uneven stages: the first block of every stage but the first, e.g. "layers.3" "layers.7" for three stages.
+    The first stage also holds the embedding and the last the norm, output and loss, so they often want fewer
+    blocks. Empty: set by pipeline_parallel_layers_per_stage."""
     context_parallel_degree: Count = 1
-    """Reserved: context parallelism is not supported yet; must be 1."""
+    """Ranks that split each sequence (for long contexts): every rank holds 2 of 2 x degree chunks, one from the
+    start and one from the end, so causal attention work is balanced. 1: no context parallel."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context-parallel ranks exchange keys and values: allgather (all at once) or alltoall (passed around a
+    ring, one chunk at a time: less memory)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ ConfigError listing every problem, so a user fixes them in one go.
 import dataclasses
 import difflib
 import glob
+import math
 import os
 import re
 from collections.abc import Callable
@@ -21,6 +22,14 @@ from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 from titan.models.llama.model import Transformer
+from titan.parallel.stages import (
+    LOOPED_SCHEDULES,
+    ROUND_SCHEDULES,
+    V_SCHEDULES,
+    default_stages_per_rank,
+    requested_num_stages,
+    split_point_layers,
+)
 
 Rule = Callable[[JobConfig, int], str | list[str] | None]
 
@@ -68,7 +77,8 @@ def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
-@needs_in_range("training.local_batch_size", "training.global_batch_size", "parallelism.tensor_parallel_degree")
+@needs_in_range("training.local_batch_size", "training.global_batch_size", "parallelism.tensor_parallel_degree",
+                "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree")
 def check_global_batch(cfg: JobConfig, world_size: int) -> str | None:
     t = cfg.training
     dp_degree = data_parallel_degree(cfg, world_size)
@@ -160,26 +170,132 @@ def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
-def check_reserved_parallelisms(cfg: JobConfig, world_size: int) -> list[str]:
-    par = cfg.parallelism
-    return [f"--parallelism.{name} {value}: {label} parallelism is not supported yet. Set it to 1 and use data "
-            f"and tensor parallelism." for name, value, label in
-            (("pipeline_parallel_degree", par.pipeline_parallel_degree, "pipeline"),
-             ("context_parallel_degree", par.context_parallel_degree, "context")) if value != 1]
-
-
 @needs_in_range("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                "parallelism.tensor_parallel_degree")
+                "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.context_parallel_degree")
 def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
     par = cfg.parallelism
-    replicate, shard, tp = (par.data_parallel_replicate_degree, par.data_parallel_shard_degree,
-                            par.tensor_parallel_degree)
-    fixed = replicate * tp * (1 if shard == -1 else shard)
+    shard = par.data_parallel_shard_degree
+    fixed = (par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
+             * par.tensor_parallel_degree * (1 if shard == -1 else shard))
     if (shard == -1 and world_size % fixed == 0) or fixed == world_size:
         return None
-    return (f"--parallelism.data_parallel_replicate_degree {replicate} x --parallelism.data_parallel_shard_degree "
-            f"{shard} x --parallelism.tensor_parallel_degree {tp} must multiply to the world size {world_size} "
-            f"(NGPU x nodes). Change the degrees, or leave data_parallel_shard_degree at -1 to use the rest.")
+    return (f"--parallelism.pipeline_parallel_degree {par.pipeline_parallel_degree} x "
+            f"--parallelism.data_parallel_replicate_degree {par.data_parallel_replicate_degree} x "
+            f"--parallelism.data_parallel_shard_degree {shard} x --parallelism.context_parallel_degree "
+            f"{par.context_parallel_degree} x --parallelism.tensor_parallel_degree {par.tensor_parallel_degree} "
+            f"must multiply to the world size {world_size} (NGPU x nodes). Change the degrees, or leave "
+            f"data_parallel_shard_degree at -1 to use the rest.")
+
+
+def check_pipeline_split_points(cfg: JobConfig, world_size: int) -> str | None:
+    par = cfg.parallelism
+    num_layers = LLAMA3_FLAVORS[cfg.model.flavor].n_layers
+    points = par.pipeline_parallel_split_points
+    if not points:
+        return None
+    try:
+        layers = split_point_layers(points)
+    except ValueError as bad:
+        return (f"--parallelism.pipeline_parallel_split_points has {str(bad)!r}: each point names the first block "
+                f"of a stage as \"layers.<k>\", e.g. \"layers.{num_layers // 2}\".")
+    if layers != sorted(set(layers)) or layers[0] < 1 or layers[-1] >= num_layers:
+        return (f"--parallelism.pipeline_parallel_split_points {' '.join(points)} must be increasing block indices "
+                f"between layers.1 and layers.{num_layers - 1} (--model.flavor {cfg.model.flavor} has {num_layers} "
+                f"blocks), so every stage holds at least one block.")
+    return None
+
+
+@needs_in_range("parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_layers_per_stage")
+def check_pipeline_stages(cfg: JobConfig, world_size: int) -> list[str]:
+    par = cfg.parallelism
+    pp, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_schedule
+    num_layers = LLAMA3_FLAVORS[cfg.model.flavor].n_layers
+    if pp == 1:
+        given = [f"--parallelism.{name}" for name in ("pipeline_parallel_layers_per_stage",
+                                                       "pipeline_parallel_split_points") if getattr(par, name)]
+        return [f"{' and '.join(given)} only apply with --parallelism.pipeline_parallel_degree above 1. Drop "
+                f"{'them' if len(given) > 1 else 'it'} or set the degree."] if given else []
+    stages = requested_num_stages(num_layers, pp, schedule, par.pipeline_parallel_layers_per_stage,
+                                  par.pipeline_parallel_split_points)
+    per_rank_needed = ("exactly 2" if schedule in V_SCHEDULES else "2 or more" if schedule in LOOPED_SCHEDULES
+                       else "exactly 1")
+    per_rank = stages // pp
+    fits = stages % pp == 0 and (per_rank == 2 if schedule in V_SCHEDULES else per_rank >= 2
+                                 if schedule in LOOPED_SCHEDULES else per_rank == 1)
+    problems = []
+    layers_per_stage = par.pipeline_parallel_layers_per_stage
+    if layers_per_stage is not None and not par.pipeline_parallel_split_points and num_layers % layers_per_stage:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0
+                    and (num_layers // d) % pp == 0 and num_layers // d >= pp * default_stages_per_rank(schedule)]
+        hint = f" Try {divisors[-1]}." if divisors else ""
+        problems.append(f"--parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} must divide the "
+                        f"{num_layers} blocks of --model.flavor {cfg.model.flavor}.{hint}")
+    elif not fits:
+        how = (f"{len(par.pipeline_parallel_split_points)} --parallelism.pipeline_parallel_split_points give"
+               if par.pipeline_parallel_split_points else
+               f"--parallelism.pipeline_parallel_layers_per_stage {layers_per_stage} gives" if layers_per_stage
+               else "the default gives")
+        problems.append(f"--parallelism.pipeline_parallel_schedule {schedule} runs {per_rank_needed} stage(s) on "
+                        f"each of --parallelism.pipeline_parallel_degree {pp} ranks, but {how} {stages} stages. "
+                        f"Use {pp * default_stages_per_rank(schedule)} stages (e.g. leave the split unset).")
+    if stages > num_layers:
+        problems.append(f"--parallelism.pipeline_parallel_degree {pp} with --parallelism.pipeline_parallel_schedule "
+                        f"{schedule} needs {stages} stages of at least one block, but --model.flavor "
+                        f"{cfg.model.flavor} has {num_layers}. Use fewer stages or a deeper flavor.")
+    return problems
+
+
+@needs_in_range("parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_microbatch_size",
+                "training.local_batch_size")
+def check_pipeline_microbatches(cfg: JobConfig, world_size: int) -> str | None:
+    par, local_batch = cfg.parallelism, cfg.training.local_batch_size
+    pp, size, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule
+    if pp == 1:
+        return None
+    if local_batch % size:
+        return (f"--training.local_batch_size {local_batch} must be a multiple of "
+                f"--parallelism.pipeline_parallel_microbatch_size {size} (the pipeline splits each batch into "
+                f"micro-batches). Try --parallelism.pipeline_parallel_microbatch_size "
+                f"{largest_divisor_at_most(size, local_batch)}.")
+    microbatches = local_batch // size
+    rounds = max(1, microbatches // pp)
+    if microbatches >= pp and (schedule not in ROUND_SCHEDULES or microbatches % rounds == 0):
+        return None
+    valid = max(pp, microbatches // pp * pp) * size
+    return (f"--parallelism.pipeline_parallel_schedule {schedule} on --parallelism.pipeline_parallel_degree {pp} "
+            f"needs at least {pp} micro-batches{', and a multiple of ' + str(pp) if schedule in ROUND_SCHEDULES else ''}"
+            f", but --training.local_batch_size {local_batch} / --parallelism.pipeline_parallel_microbatch_size "
+            f"{size} gives {microbatches}. Try --training.local_batch_size {valid}.")
+
+
+def check_pipeline_schedule_support(cfg: JobConfig, world_size: int) -> str | None:
+    par = cfg.parallelism
+    if (par.pipeline_parallel_degree > 1 and par.pipeline_parallel_schedule in V_SCHEDULES
+            and not torch.cuda.is_available() and torch_version() < (2, 13)):
+        return (f"--parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule} fails in torch "
+                f"{torch.__version__}'s stage setup over gloo (CPU): its first send goes to an unconnected peer "
+                f"(seen on torch 2.11). Use torch 2.13 or newer, or another schedule such as InterleavedZeroBubble.")
+    return None
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@needs_in_range("parallelism.context_parallel_degree", "parallelism.tensor_parallel_degree")
+def check_context_parallel(cfg: JobConfig, world_size: int) -> str | None:
+    cp, tp, seq_len = cfg.parallelism.context_parallel_degree, cfg.parallelism.tensor_parallel_degree, cfg.training.seq_len
+    if cp == 1:
+        return None
+    step = 2 * cp * tp // math.gcd(2, tp)
+    if seq_len % (2 * cp) == 0 and (seq_len // cp) % tp == 0:
+        return None
+    with_tp = f" (and its 1/{cp} share by --parallelism.tensor_parallel_degree {tp})" if tp > 1 else ""
+    return (f"--training.seq_len {seq_len} must be divisible by 2 x --parallelism.context_parallel_degree {cp}"
+            f"{with_tp}: context parallel splits each sequence into {2 * cp} load-balanced chunks. Try "
+            f"{max(step, seq_len // step * step)}.")
 
 
 def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
@@ -297,13 +413,16 @@ def largest_divisor_at_most(limit: int, *sizes: int) -> int:
 
 
 def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
-    """Ranks that read distinct data: the world size over the tensor-parallel degree."""
-    return max(world_size // max(cfg.parallelism.tensor_parallel_degree, 1), 1)
+    """Ranks that read distinct data: the world size over the pipeline, context and tensor-parallel degrees."""
+    par = cfg.parallelism
+    others = par.pipeline_parallel_degree * par.context_parallel_degree * par.tensor_parallel_degree
+    return max(world_size // max(others, 1), 1)
 
 
 RULES: tuple[Rule, ...] = (
     check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
-    check_dataset_path, check_dump_folder, check_memory_snapshot, check_reserved_parallelisms, check_degree_product,
+    check_dataset_path, check_dump_folder, check_memory_snapshot, check_degree_product, check_pipeline_split_points,
+    check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
     check_float8_hardware, check_mx_hardware, check_checkpoint,
 )

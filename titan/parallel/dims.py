@@ -11,8 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from titan.config.job import Comm, Parallelism
 from titan.metrics.log import logger
 
-# Mesh dimension names, outermost first: replicas span nodes, TP stays inside one.
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# Mesh dimension names, outermost first: pipeline stages talk least and may span nodes; TP talks every layer and
+# stays inside one.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def build_device() -> torch.device:
@@ -28,13 +29,15 @@ def build_device() -> torch.device:
 class ParallelDims:
     """Resolved degrees (no -1) whose product is the world size."""
 
+    pp: int
     dp_replicate: int
     dp_shard: int
+    cp: int
     tp: int
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp_degree(self) -> int:
@@ -43,12 +46,21 @@ class ParallelDims:
 
     @property
     def dp_enabled(self) -> bool:
-        """FSDP2 wraps the model (HSDP when dp_replicate > 1)."""
-        return self.dp_degree > 1
+        """FSDP2 wraps the model: over dp_shard x cp, since context-parallel ranks hold the same parameters and
+        average their gradients (HSDP when dp_replicate > 1)."""
+        return self.dp_degree * self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
 
 def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
@@ -56,8 +68,10 @@ def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
     that they divide the world size."""
     shard = par.data_parallel_shard_degree
     if shard == -1:
-        shard = world_size // (par.data_parallel_replicate_degree * par.tensor_parallel_degree)
-    return ParallelDims(dp_replicate=par.data_parallel_replicate_degree, dp_shard=shard, tp=par.tensor_parallel_degree)
+        shard = world_size // (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
+                               * par.context_parallel_degree * par.tensor_parallel_degree)
+    return ParallelDims(pp=par.pipeline_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
+                        dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree)
 
 
 def init_distributed(comm: Comm, device: torch.device, world_size: int) -> None:
@@ -84,40 +98,73 @@ def destroy_distributed(wait_for_peers: bool) -> None:
         dist.destroy_process_group()
 
 
-def set_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:
-    """Give the default process group and every group of `mesh` this collective timeout: the init timeout for
+@dataclass(frozen=True)
+class Meshes:
+    """The one (pp, dp_replicate, dp_shard, cp, tp) device mesh and every sub-mesh a stage uses, each built once.
+    The flattened ones are kept here, not sliced from the root again: torch deprecates slicing flattened dims."""
+
+    root: DeviceMesh
+    dp: DeviceMesh
+    """dp_replicate x dp_shard, flattened: ranks that read distinct data."""
+    fsdp: DeviceMesh
+    """dp_shard x cp flattened, or (dp_replicate, that) for HSDP: ranks that shard parameters."""
+    loss: DeviceMesh
+    """pp x dp_replicate x dp_shard x cp flattened: ranks whose losses make up the global mean."""
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.root["pp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.root["cp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.root["tp"]
+
+    def all(self) -> tuple[DeviceMesh, ...]:
+        """Every mesh whose groups run collectives."""
+        return (*(self.root[name] for name in MESH_DIMS), self.dp, self.fsdp, self.loss)
+
+
+def set_collective_timeout(meshes: Meshes | None, seconds: int) -> None:
+    """Give the default process group and every group of `meshes` this collective timeout: the init timeout for
     setup and the first step, then a shorter one, since setup can be slow and a hang later should fail fast.
     FSDP, TP and the loss average run on the mesh's groups, and those init_device_mesh creates for a dimension
     smaller than the world start with torch's 30-minute default. torch has no public setter; _set_pg_timeout
     is what torchtitan uses too."""
-    if mesh is None:
+    if meshes is None:
         return
     timeout = timedelta(seconds=seconds)
-    for group in (None, *(mesh[name].get_group() for name in (*MESH_DIMS, "dp"))):
+    groups = {None, *(group for mesh in meshes.all() for group in mesh.get_all_groups())}
+    for group in groups:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def build_mesh(dims: ParallelDims, device: torch.device) -> DeviceMesh | None:
-    """A (dp_replicate, dp_shard, tp) mesh, plus a flattened "dp" dimension for data loading and loss
-    averaging; None on a single process."""
+def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes | None:
+    """The named 5-D mesh and its flattened views; None on a single process. DeviceMesh has no public flatten
+    yet; torchtitan uses _flatten and _unflatten the same way."""
     if dims.world_size == 1:
         return None
-    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.tp), mesh_dim_names=MESH_DIMS)
-    # DeviceMesh has no public flatten yet; torchtitan uses _flatten the same way.
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    logger.info(f"Device mesh: dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x tp {dims.tp} "
-                f"on {dims.world_size} ranks")
-    return mesh
+    root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+                            mesh_dim_names=MESH_DIMS)
+    dp = root["dp_replicate", "dp_shard"]._flatten("dp")
+    loss = root["pp", "dp_replicate", "dp_shard", "cp"]._flatten("loss")
+    if dims.dp_replicate > 1:
+        # (replicate, shard x cp) from the flattened replicate x shard x cp, whose rank order it keeps.
+        dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        fsdp = dp_cp._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp"))
+    else:
+        fsdp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+    logger.info(f"Device mesh: pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
+                f"{dims.cp} x tp {dims.tp} on {dims.world_size} ranks")
+    return Meshes(root=root, dp=dp, fsdp=fsdp, loss=loss)
 
 
-def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """2-D (replicate, shard) mesh for HSDP, the shard dimension alone for plain FSDP."""
-    return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
-
-
-def data_parallel_rank(mesh: DeviceMesh | None) -> tuple[int, int]:
-    """(rank, degree) among the ranks that read distinct data; TP ranks of one group share a batch."""
-    if mesh is None:
+def data_parallel_rank(meshes: Meshes | None) -> tuple[int, int]:
+    """(rank, degree) among the ranks that read distinct data; the pipeline, context and tensor-parallel ranks of
+    one data-parallel rank share its batches."""
+    if meshes is None:
         return 0, 1
-    dp = mesh["dp"]
-    return dp.get_local_rank(), dp.size()
+    return meshes.dp.get_local_rank(), meshes.dp.size()

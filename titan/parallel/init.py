@@ -1,10 +1,8 @@
 """Weights that are the same whatever the parallel layout, for CPU runs."""
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 
@@ -13,14 +11,16 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def needs_full_init(model: nn.Module, device: torch.device) -> bool:
+def needs_full_init(model: nn.Module, device: torch.device, pipelined: bool) -> bool:
     """DTensor's sharded random init only reproduces the full tensor's values with CUDA's RNG; on CPU each
-    shard would draw the same numbers. There, CPU runs initialise a full copy and shard it instead."""
-    return device.type == "cpu" and is_sharded(model)
+    shard would draw the same numbers, and a pipeline stage would draw the first numbers of the seed's stream,
+    not its own layers'. There, CPU runs initialise a full copy and keep their part of it instead."""
+    return device.type == "cpu" and (pipelined or is_sharded(model))
 
 
-def apply_full_init(model: nn.Module, build_full_model: Callable[[], nn.Module]) -> None:
-    """Overwrite the sharded parameters of `model` with those of `build_full_model()` (an unsharded, already
-    initialised copy), each rank keeping its own shard."""
-    full = build_full_model()
-    set_model_state_dict(model, full.state_dict(), options=StateDictOptions(full_state_dict=True))
+def apply_full_init(model: nn.Module, full: nn.Module) -> None:
+    """Overwrite the (sharded) parameters of `model`, the whole model or a pipeline stage of it, with those of
+    `full` (an unsharded, already initialised copy), each rank keeping its own shard."""
+    own = get_model_state_dict(model).keys()
+    state = {fqn: tensor for fqn, tensor in full.state_dict().items() if fqn in own}
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))

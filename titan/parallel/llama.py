@@ -1,24 +1,23 @@
 """The order in which Titan parallelizes a Llama model."""
 
-from torch.distributed.device_mesh import DeviceMesh
+from torch import nn
 
 from titan.config.dtypes import to_dtype
 from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
-from titan.models.llama.model import Transformer
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
-from titan.parallel.dims import ParallelDims, fsdp_mesh
+from titan.parallel.dims import Meshes, ParallelDims
 from titan.parallel.fsdp import apply_fsdp
 from titan.parallel.tp import apply_tp
 
 
-def parallelize_llama(model: Transformer, dims: ParallelDims, mesh: DeviceMesh | None, par: Parallelism,
+def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
                       ac: ActivationCheckpoint, train: Training, compile_cfg: Compile) -> None:
-    """Shard and wrap `model` in place. Order matters: TP first, so later stages see DTensor weights; compile
+    """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so later stages see DTensor weights; compile
     traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block."""
     if dims.tp_enabled:
-        apply_tp(model, mesh["tp"], loss_parallel=not par.disable_loss_parallel,
+        apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
@@ -31,7 +30,7 @@ def parallelize_llama(model: Transformer, dims: ParallelDims, mesh: DeviceMesh |
     else:
         logger.info("torch.compile: off (--training.compile to turn it on)")
     if dims.dp_enabled:
-        apply_fsdp(model, fsdp_mesh(mesh, dims), param_dtype=to_dtype(train.mixed_precision_param),
+        apply_fsdp(model, meshes.fsdp, param_dtype=to_dtype(train.mixed_precision_param),
                    reduce_dtype=to_dtype(train.mixed_precision_reduce),
                    reshard_after_forward=par.fsdp_reshard_after_forward)
     else:

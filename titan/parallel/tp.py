@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -20,7 +21,7 @@ from titan.metrics.log import logger
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:
-    """Shard `model` (a Llama Transformer) over `tp_mesh` in place.
+    """Shard `model` (a Llama Transformer, or a pipeline stage of one) over `tp_mesh` in place.
 
     Activations between blocks stay sharded along the sequence (Shard(1)); each attention/FFN gathers them,
     splits heads / hidden units column-wise, and reduce-scatters back after its row-wise output projection.
@@ -31,13 +32,23 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
     backward a plain gradient where a DTensor redistribute expects a DTensor, which fails under TP alone and
     silently changed gradients under FSDP + TP.
     """
-    parallelize_module(model, tp_mesh, {
+    root_plan = {
         # Embedding rows are split over the vocab; the partial sums are reduce-scattered along the sequence.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
-    })
+    }
+    # A pipeline stage without some of these parts (None) sends and receives the sequence-sharded residual stream
+    # as plain local tensors, which is what pipelining transports.
+    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items()
+                                        if getattr(model, name) is not None})
+    if model.tok_embeddings is None:
+        parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
+                                                              desired_input_layouts=(Shard(1),)))
+    if model.output is None:
+        parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                               desired_output_layouts=Shard(1)))
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),

@@ -25,9 +25,10 @@ from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
 from titan.models.llama.loss import cross_entropy_loss
 from titan.models.llama.model import Transformer
+from titan.parallel.cp import context_parallel_attention, describe_cp_path, shard_sequence
 from titan.parallel.dims import (
     build_device,
-    build_mesh,
+    build_meshes,
     data_parallel_rank,
     init_distributed,
     resolve_dims,
@@ -35,6 +36,8 @@ from titan.parallel.dims import (
 )
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
+from titan.parallel.pp import StageModel, build_schedule, log_schedule, merge_stage_models, split_model
+from titan.parallel.stages import plan_stages, requested_num_stages
 from titan.parallel.tp import build_vocab_sharded_loss
 from titan.quant.convert import apply_converters
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
@@ -49,6 +52,11 @@ def set_seed(seed: int, deterministic: bool) -> None:
     if deterministic:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+def as_local(loss: torch.Tensor) -> torch.Tensor:
+    """Under loss parallel the loss is a replicated DTensor; sums of losses stay plain tensors."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def write_config(cfg: JobConfig, dump_folder: Path) -> None:
@@ -68,8 +76,8 @@ class Trainer:
         self.device = build_device()
         self.dims = resolve_dims(cfg.parallelism, world_size)
         init_distributed(cfg.comm, self.device, world_size)
-        self.mesh = build_mesh(self.dims, self.device)
-        set_collective_timeout(self.mesh, cfg.comm.init_timeout_seconds)
+        self.meshes = build_meshes(self.dims, self.device)
+        set_collective_timeout(self.meshes, cfg.comm.init_timeout_seconds)
         self.dump_folder = Path(cfg.job.dump_folder)
         set_seed(cfg.training.seed, cfg.training.deterministic)
 
@@ -77,29 +85,36 @@ class Trainer:
         self.model_args = build_model_args(cfg.model.flavor, self.tokenizer.vocab_size,
                                            cfg.model.vocab_size_multiple_of, cfg.training.seq_len)
         with torch.device("meta"):
-            self.model = Transformer(self.model_args)
-        self.log_model_size()
-        apply_converters(self.model, cfg.model.converters, cfg.float8, cfg.mx, self.dims.tp,
+            model = Transformer(self.model_args)
+        self.log_model_size(model)
+        self.flops_per_token = flops_per_token(self.model_args, num_params(model, exclude_embedding=True),
+                                               cfg.training.seq_len)
+        apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, self.dims.tp,
                          cfg.model.print_after_conversion)
         if self.float8_all_gather_enabled:
-            apply_float8_all_gather(self.model)
-        parallelize_llama(self.model, self.dims, self.mesh, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
-                          cfg.compile)
+            apply_float8_all_gather(model)
+        self.model_parts, self.stage_ids = self.split_pipeline(model)
+        for part in self.model_parts:
+            parallelize_llama(part, self.dims, self.meshes, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
+                              cfg.compile)
         self.init_model_weights()
+        # This rank's whole share of the model by FQN: what the optimizer, checkpoints and grad norm see.
+        self.model = merge_stage_models(self.model_parts) if self.dims.pp_enabled else self.model_parts[0]
         self.model.train()
+        if self.dims.cp_enabled:
+            self.shard_rotary_tables()
 
+        self.grad_accumulation_steps = self.count_accumulation_steps()
         self.loss_fn = self.build_loss_fn()
+        self.schedule = self.build_pipeline_schedule() if self.dims.pp_enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        dp_rank, dp_degree = data_parallel_rank(self.mesh)
+        dp_rank, dp_degree = data_parallel_rank(self.meshes)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
-        self.grad_accumulation_steps = self.count_accumulation_steps()
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
                                          self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
-        self.flops_per_token = flops_per_token(self.model_args, num_params(self.model, exclude_embedding=True),
-                                               cfg.training.seq_len)
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
         self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
         self.hints = stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm)
@@ -108,13 +123,54 @@ class Trainer:
         self.last_finite_loss: float | None = None
         self.current_lr = cfg.optimizer.lr
 
-    def init_model_weights(self) -> None:
-        """Materialise the (possibly sharded) model on the device and initialise it from the seed."""
-        self.materialize(self.model)
-        if needs_full_init(self.model, self.device):
-            apply_full_init(self.model, self.build_full_model)
+    def split_pipeline(self, model: Transformer) -> tuple[list[torch.nn.Module], tuple[int, ...]]:
+        """This rank's pipeline stages and their ids; the whole model as stage 0 without pipeline parallel."""
+        if not self.dims.pp_enabled:
+            return [model], (0,)
+        par = self.cfg.parallelism
+        num_stages = requested_num_stages(self.model_args.n_layers, self.dims.pp, par.pipeline_parallel_schedule,
+                                          par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_split_points)
+        self.stage_plan = plan_stages(self.model_args.n_layers, num_stages, par.pipeline_parallel_split_points)
+        log_schedule(self.stage_plan, par.pipeline_parallel_schedule, self.dims.pp, self.num_microbatches,
+                     par.pipeline_parallel_microbatch_size)
+        return split_model(model, self.stage_plan, self.meshes.pp, par.pipeline_parallel_schedule)
 
-    def materialize(self, model: Transformer) -> None:
+    @property
+    def num_microbatches(self) -> int:
+        """Pipeline micro-batches per local batch."""
+        return self.cfg.training.local_batch_size // self.cfg.parallelism.pipeline_parallel_microbatch_size
+
+    def init_model_weights(self) -> None:
+        """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
+        for part in self.model_parts:
+            self.materialize(part)
+        if needs_full_init(self.model_parts[0], self.device, self.dims.pp_enabled):
+            full = self.build_full_model()
+            for part in self.model_parts:
+                apply_full_init(part, full)
+
+    def shard_rotary_tables(self) -> None:
+        """Keep the rotary rows of this rank's context-parallel chunks, the positions of its tokens (the table has
+        --training.seq_len rows)."""
+        cp_mesh = self.meshes.cp
+        for part in self.model_parts:
+            part.freqs_cis = shard_sequence(part.freqs_cis, 0, cp_mesh.get_local_rank(), cp_mesh.size())
+        logger.info(f"Context parallel over {self.dims.cp} ranks: each holds 2 of {2 * self.dims.cp} chunks of every "
+                    f"sequence; {describe_cp_path(self.device.type, self.cfg.parallelism.context_parallel_rotate_method)}")
+
+    def build_pipeline_schedule(self):
+        """The pipelining schedule, whose last stage computes the loss of each micro-batch. The loss is divided by
+        the micro-batches and accumulation steps, so gradients add up to those of the step's mean loss."""
+        parts_per_step = self.grad_accumulation_steps * self.num_microbatches
+
+        def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.loss_fn(logits, labels, self.model_args.vocab_size) / parts_per_step
+
+        return build_schedule(self.model_parts, self.stage_ids, self.stage_plan.num_stages,
+                              self.cfg.parallelism.pipeline_parallel_schedule, self.num_microbatches,
+                              microbatch_loss, self.meshes.pp, self.device)
+
+    def materialize(self, model: torch.nn.Module) -> None:
         """Allocate a meta-built model on the device and fill it with init_weights."""
         model.to_empty(device=self.device)
         with torch.no_grad():
@@ -132,7 +188,7 @@ class Trainer:
         """Cross entropy over the real vocab: on vocab-sharded logits under loss parallel, else on plain ones."""
         if self.loss_parallel_enabled:
             padded_vocab = padded_vocab_size(self.model_args.vocab_size, self.model_args.vocab_size_multiple_of)
-            return build_vocab_sharded_loss(self.model_args.vocab_size, padded_vocab, self.mesh["tp"])
+            return build_vocab_sharded_loss(self.model_args.vocab_size, padded_vocab, self.meshes.tp)
         return torch.compile(cross_entropy_loss) if self.cfg.training.compile else cross_entropy_loss
 
     @property
@@ -155,12 +211,12 @@ class Trainer:
                     f"{t.local_batch_size} sequences on each of {self.dims.dp_degree} data-parallel ranks")
         return steps
 
-    def log_model_size(self) -> None:
+    def log_model_size(self, model: Transformer) -> None:
         args = self.model_args
-        logger.info(f"Model llama3 {self.cfg.model.flavor}: {num_params(self.model, exclude_embedding=False):,} "
+        logger.info(f"Model llama3 {self.cfg.model.flavor}: {num_params(model, exclude_embedding=False):,} "
                     f"parameters, dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
                     f"({args.n_kv_heads} kv), vocab {args.vocab_size} (padded to "
-                    f"{self.model.tok_embeddings.num_embeddings})")
+                    f"{model.tok_embeddings.num_embeddings})")
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision without FSDP: matmuls in --training.mixed_precision_param (FSDP casts parameters
@@ -186,14 +242,13 @@ class Trainer:
         for _ in range(self.grad_accumulation_steps):
             inputs, labels, waited = self.next_batch(data_iterator)
             data_wait += waited
-            # Loss parallel needs its context around the loss and its backward.
-            with self.loss_context():
-                with self.autocast():
-                    logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels, self.model_args.vocab_size) / self.grad_accumulation_steps
-                loss.backward()
-            # Under loss parallel the loss is a replicated DTensor; the sum stays a plain tensor.
-            loss_sum += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+            if self.dims.cp_enabled:
+                inputs, labels = self.context_parallel_shard(inputs), self.context_parallel_shard(labels)
+            with self.step_context():
+                if self.schedule is not None:
+                    loss_sum += self.pipeline_forward_backward(inputs, labels)
+                else:
+                    loss_sum += self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
         loss_value, norm_value = self.global_mean(loss_sum).item(), grad_norm.item()
         check_finite(self.step, loss_value, norm_value, self.last_finite_loss, self.model, self.hints)
@@ -203,27 +258,68 @@ class Trainer:
             precompute_float8_scales(self.model)
         self.lr_scheduler.step()
         self.last_finite_loss = loss_value
-        tokens = self.cfg.training.local_batch_size * self.cfg.training.seq_len * self.grad_accumulation_steps
-        self.meter.add_step(tokens, data_wait)
+        self.meter.add_step(self.global_tokens_per_step / self.dims.world_size, data_wait)
         return loss_value, norm_value
 
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        return loss_parallel() if self.loss_parallel_enabled else contextlib.nullcontext()
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch through the whole model: its loss (divided by the accumulation steps), detached."""
+        with self.autocast():
+            logits = self.model(inputs)
+        loss = self.loss_fn(logits, labels, self.model_args.vocab_size) / self.grad_accumulation_steps
+        loss.backward()
+        return as_local(loss.detach())
+
+    def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One local batch through the pipeline schedule. The first stage takes the inputs, the last the labels and
+        returns the micro-batch losses; ranks without the last stage contribute zero to the global mean."""
+        losses: list[torch.Tensor] = []
+        holds_first, holds_last = 0 in self.stage_ids, self.stage_plan.num_stages - 1 in self.stage_ids
+        args = (inputs,) if holds_first else ()
+        with self.autocast():
+            self.schedule.step(*args, target=labels if holds_last else None, losses=losses)
+        if not holds_last:
+            return torch.zeros((), device=self.device)
+        return sum(as_local(loss.detach()) for loss in losses)
+
+    def context_parallel_shard(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's two load-balanced chunks of each sequence of a (bs, seq) batch."""
+        return shard_sequence(tensor, 1, self.meshes.cp.get_local_rank(), self.dims.cp)
+
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallel around the loss and its backward; context-parallel attention around forward and backward."""
+        stack = contextlib.ExitStack()
+        if self.loss_parallel_enabled:
+            stack.enter_context(loss_parallel())
+        if self.dims.cp_enabled:
+            stack.enter_context(context_parallel_attention(self.meshes.cp,
+                                                           self.cfg.parallelism.context_parallel_rotate_method))
+        return stack
+
+    @property
+    def global_tokens_per_step(self) -> int:
+        t = self.cfg.training
+        return t.local_batch_size * t.seq_len * self.grad_accumulation_steps * self.dims.dp_degree
 
     def global_mean(self, local_loss: torch.Tensor) -> torch.Tensor:
-        """The loss over the whole global batch: the mean of the data-parallel ranks' losses (TP ranks of one
-        group already agree). Every rank then sees the same value, so all stop together on a non-finite one."""
-        if self.mesh is None or not self.dims.dp_enabled:
+        """The loss over the whole global batch: the mean over data-parallel and context-parallel ranks of their
+        losses, which only the last pipeline stage has (the others add zero; TP ranks of one group agree). Every
+        rank then sees the same value, so all stop together on a non-finite one."""
+        if self.meshes is None or self.meshes.loss.size() == 1:
             return local_loss
-        return funcol.all_reduce(local_loss, reduceOp="avg", group=self.mesh["dp"])
+        total = funcol.all_reduce(local_loss, reduceOp="sum", group=self.meshes.loss)
+        return total / (self.dims.dp_degree * self.dims.cp)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Global gradient norm over every shard on every mesh, clipping to --training.max_norm when positive."""
+        """Global gradient norm over every shard on every mesh and every pipeline stage, clipping to
+        --training.max_norm when positive."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
         if isinstance(total_norm, DTensor):
             # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
             total_norm = total_norm.full_tensor()
+        if self.dims.pp_enabled:
+            # Each stage holds different parameters: the squared norms add up across the pipeline.
+            total_norm = funcol.all_reduce(total_norm**2, reduceOp="sum", group=self.meshes.pp) ** 0.5
         if self.cfg.training.max_norm > 0:
             # Not foreach: torch 2.11's in-place foreach ops leave Partial DTensors unchanged (in-place ops on Partial
             # DTensors: pytorch/pytorch#163374), and under TP the sequence-parallel norms' gradients are Partial, so
@@ -252,16 +348,14 @@ class Trainer:
         data_iterator = iter(self.dataloader)
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
         last_logged = self.step
-        global_tokens_per_step = (self.cfg.training.local_batch_size * self.cfg.training.seq_len
-                                  * self.grad_accumulation_steps * self.dims.dp_degree)
         with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler:
             try:
                 while self.step < total:
                     self.step += 1
                     loss, grad_norm = self.train_step(data_iterator)
-                    self.tokens_seen += global_tokens_per_step
+                    self.tokens_seen += self.global_tokens_per_step
                     if self.step == 1:
-                        set_collective_timeout(self.mesh, self.cfg.comm.train_timeout_seconds)
+                        set_collective_timeout(self.meshes, self.cfg.comm.train_timeout_seconds)
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step
