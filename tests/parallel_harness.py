@@ -88,7 +88,8 @@ def main() -> None:
     else:
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result = {"losses": losses, "weights": weights}
-    if trainer.dims.dp_shard > 1 and not trainer.dims.pp_enabled:  # a pipeline has no single forward to record
+    # A pipeline has no single forward to record; context parallel forwards only inside its attention context.
+    if trainer.dims.dp_shard > 1 and not (trainer.dims.pp_enabled or trainer.dims.cp_enabled):
         result.update(forward_wire_record(trainer, next(data)[0]))
     if trainer.rank == 0:
         torch.save(result, out)

@@ -66,7 +66,8 @@ def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> N
 
 @pytest.mark.parametrize("flags", [
     ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2"],
-], ids=["pp2"])
+    ["--parallelism.context_parallel_degree", "2"],
+], ids=["pp2", "cp2"])
 def test_resume_on_one_process_from_another_layout(tmp_path: Path, flags: list[str]) -> None:
     """Saved by 2 processes in another layout at step 10, resumed by one: the same per-step losses as the 2-process
     run that went on (to reduction-order rounding), so every part of the checkpoint is layout-free."""

@@ -179,6 +179,17 @@ def test_all_problems_reported_together() -> None:
     assert len(problems) == 3
 
 
+@pytest.mark.parametrize("name, world_size", [("llama3_405b.toml", 512), ("llama3_70b.toml", 256),
+                                              ("llama3_8b_128k.toml", 8)])
+def test_large_configs_are_valid_at_the_world_size_they_document(name: str, world_size: int) -> None:
+    """The pipeline and context-parallel layouts of the shipped large jobs divide their model and world size (with the
+    shipped tokenizer and corpus standing in for Llama 3's, which are not shipped)."""
+    path = ROOT / "configs" / name
+    assert f"{world_size} GPUs" in path.read_text() or f"NGPU={world_size}" in path.read_text()
+    load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", "tokenizers/titan_2256.tiktoken",
+                     "--training.dataset", "shipped"], world_size)
+
+
 def test_world_size_is_validated() -> None:
     with pytest.raises(ConfigError, match="must multiply to the world size 4"):
         load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3"], world_size=4)

@@ -120,6 +120,24 @@ def test_pipeline_with_fsdp_or_tp_on_four_processes(tmp_path: Path, reference_dp
     assert_same_run(got, reference_dp2 if data_shards == 2 else reference_dp1)
 
 
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+
+
+@pytest.mark.parametrize("rotate_method", ["allgather", "alltoall"])
+def test_context_parallel_matches_one_process(tmp_path: Path, reference_dp1: dict, rotate_method: str) -> None:
+    """Each rank holds 2 of 4 load-balanced chunks of every sequence; attention exchanges keys and values."""
+    got = run_harness(tmp_path, f"cp2_{rotate_method}", 2, 1, "--training.local_batch_size", "4", *CP2,
+                      "--parallelism.context_parallel_rotate_method", rotate_method)
+    assert_same_run(got, reference_dp1)
+
+
+def test_context_parallel_with_fsdp_on_four_processes(tmp_path: Path, reference_dp2: dict) -> None:
+    """FSDP shards over dp_shard x cp = 4 ranks; the loss averages over dp x cp."""
+    got = run_harness(tmp_path, "cp2_fsdp2", 4, 1, "--training.local_batch_size", "2", *CP2,
+                      "--parallelism.data_parallel_shard_degree", "2")
+    assert_same_run(got, reference_dp2)
+
+
 def run_probe(tmp_path: Path, nprocs: int, *flags: str) -> dict:
     """One step of Trainer.run on `nprocs` processes without clipping (it would rescale the gradients), probed by
     tests/trainer_probe.py."""
@@ -218,14 +236,17 @@ FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 
 
-@pytest.mark.parametrize("name, nprocs, data_shards, local_batch, flags", [
-    ("fsdp2_float8", 2, 2, 2, [*FSDP2, *FLOAT8]),
-    ("tp2_float8", 2, 1, 4, [*TP2, *FLOAT8]),
-    ("fsdp2_mx", 2, 2, 2, [*FSDP2, *MX]),
-    ("tp2_mx", 2, 1, 4, [*TP2, *MX]),
+@pytest.mark.parametrize("name, nprocs, data_shards, local_batch, flags, first_step_rtol", [
+    ("fsdp2_float8", 2, 2, 2, [*FSDP2, *FLOAT8], 1e-5),
+    ("tp2_float8", 2, 1, 4, [*TP2, *FLOAT8], 1e-5),
+    ("fsdp2_mx", 2, 2, 2, [*FSDP2, *MX], 1e-5),
+    ("tp2_mx", 2, 1, 4, [*TP2, *MX], 1e-5),
+    # Each CP rank scales its activations by the amax of its own half of every sequence (as torchao does: no
+    # all-reduce per linear), so float8 rounding differs from step 1 on; measured 1.5e-4 relative.
+    ("cp2_float8", 2, 1, 4, [*CP2, *FLOAT8], 1e-3),
 ])
-def test_low_precision_under_fsdp_and_tp(tmp_path: Path, name: str, nprocs: int, data_shards: int,
-                                         local_batch: int, flags: list[str]) -> None:
+def test_low_precision_under_fsdp_tp_and_cp(tmp_path: Path, name: str, nprocs: int, data_shards: int,
+                                            local_batch: int, flags: list[str], first_step_rtol: float) -> None:
     """Float8 weight scales come from global amaxes (DTensor reductions under TP, unsharded weights under FSDP);
     MX blocks never cross a TP shard (the converter checks it), so each rank's blocks are the global ones. Step 1
     matches one process to 1e-5 (under FSDP the scales of activations come from each rank's own micro-batch, a
@@ -236,6 +257,6 @@ def test_low_precision_under_fsdp_and_tp(tmp_path: Path, name: str, nprocs: int,
     reference = run_harness(tmp_path, f"ref_{name}", 1, data_shards, "--training.local_batch_size",
                             str(local_batch * data_shards), *flags[2:])
     got = run_harness(tmp_path, name, nprocs, 1, "--training.local_batch_size", str(local_batch), *flags)
-    torch.testing.assert_close(got["losses"][0], reference["losses"][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got["losses"][0], reference["losses"][0], rtol=first_step_rtol, atol=0)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-3, atol=0)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5
