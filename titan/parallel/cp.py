@@ -1,8 +1,223 @@
-# TEMPORARY placeholder until the cp branch merges
-import contextlib
+"""Context parallel: the sequence of every sample is split over the `cp` ranks, and attention exchanges keys and
+values so that each rank's rows equal those of causal attention over the whole sequence.
+
+Layout (head-tail, as torch's `_HeadTailLoadBalancer`): the sequence is cut into 2 * cp chunks and cp rank r holds
+chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Inputs,
+labels and `freqs_cis` are all sharded with `shard_sequence`, so rotary positions follow the tokens.
+
+Attention: on CUDA, torch's ring attention (`context_parallel`), whose dispatcher only covers the CUDA SDPA
+kernels (flash, efficient, cudnn). Elsewhere (CPU tests), the same two rotate methods written here with
+autograd-aware functional collectives, so CPU runs check the same math.
+"""
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
-def shard_sequence(t, dim, r, n):
-    chunks = t.chunk(2 * n, dim=dim)
-    return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim=dim)
-def describe_cp_path(d, m): return "x"
-def context_parallel_attention(mesh, m): raise NotImplementedError
+import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.experimental import context_parallel
+from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+ROTATE_METHODS = ("allgather", "alltoall")
+
+# Attention over this rank's q/k/v shards (bs, heads, local_seq, head_dim) with an optional softmax scale.
+ShardedAttention = Callable[[Tensor, Tensor, Tensor, float | None], Tensor]
+
+# The unpatched kernel, for the allgather path: inside context_parallel_attention the F attribute is ours.
+_sdpa = F.scaled_dot_product_attention
+
+
+def _chunk_ids(cp_rank: int, cp_degree: int) -> tuple[int, int]:
+    """The two sequence chunks (out of 2 * cp_degree) that `cp_rank` holds, in the order it holds them."""
+    return cp_rank, 2 * cp_degree - 1 - cp_rank
+
+
+def _positions(cp_rank: int, cp_degree: int, chunk_len: int, device: torch.device) -> Tensor:
+    """Global sequence positions of the rows `cp_rank` holds, (2 * chunk_len,)."""
+    return torch.cat([torch.arange(i * chunk_len, (i + 1) * chunk_len, device=device)
+                      for i in _chunk_ids(cp_rank, cp_degree)])
+
+
+def _gathered_positions(cp_degree: int, chunk_len: int, device: torch.device) -> Tensor:
+    """Global positions of the rows of an all-gather over the cp ranks (rank-major), (2 * cp_degree * chunk_len,)."""
+    return torch.cat([_positions(rank, cp_degree, chunk_len, device) for rank in range(cp_degree)])
+
+
+def shard_sequence(tensor: Tensor, seq_dim: int, cp_rank: int, cp_degree: int) -> Tensor:
+    """This rank's head-tail shard of `tensor` along `seq_dim`: chunk cp_rank then chunk 2 * cp_degree - 1 - cp_rank."""
+    seq_len = tensor.size(seq_dim)
+    assert seq_len % (2 * cp_degree) == 0, f"sequence length {seq_len} is not divisible by 2 * cp ({2 * cp_degree})"
+    positions = _positions(cp_rank, cp_degree, seq_len // (2 * cp_degree), tensor.device)
+    return tensor.index_select(seq_dim, positions)
+
+
+def unshard_sequence(local: Tensor, seq_dim: int, cp_mesh: DeviceMesh) -> Tensor:
+    """The whole sequence in natural order on every rank, from each rank's `shard_sequence` shard."""
+    gathered = funcol.all_gather_single(local.contiguous(), gather_dim=seq_dim, group=cp_mesh)
+    positions = _gathered_positions(cp_mesh.size(), local.size(seq_dim) // 2, local.device)
+    return gathered.index_select(seq_dim, torch.argsort(positions))
+
+
+def uses_torch_context_parallel(device_type: str) -> bool:
+    """Whether torch's ring attention runs: its SDPA dispatcher only handles the CUDA kernels. On CPU, torch 2.13
+    stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+    registered", so every other device runs the implementation here."""
+    return device_type == "cuda"
+
+
+def describe_cp_path(device_type: str, rotate_method: str) -> str:
+    """One sentence saying which attention implementation context parallel runs, for the startup log."""
+    if uses_torch_context_parallel(device_type):
+        return (f"Context parallel attention: torch's ring attention over the CUDA SDPA kernels, rotating K/V by "
+                f"{rotate_method}.")
+    return (f"Context parallel attention: titan's {rotate_method} implementation, since torch's only covers the "
+            f"CUDA SDPA kernels and this device is {device_type}.")
+
+
+@contextmanager
+def context_parallel_attention(cp_mesh: DeviceMesh, rotate_method: str) -> Iterator[None]:
+    """Inside, F.scaled_dot_product_attention(q, k, v, is_causal=True) on `shard_sequence` shards of q/k/v
+    (bs, heads, local_seq, head_dim) returns this rank's rows of causal attention over the whole sequence.
+    Any other call (a mask, dropout, not causal) raises, on either path."""
+    if rotate_method not in ROTATE_METHODS:
+        raise ValueError(f"--parallelism.context_parallel_rotate_method {rotate_method!r} is not one of "
+                         f"{ROTATE_METHODS}.")
+    if uses_torch_context_parallel(cp_mesh.device_type):
+        with _torch_context_parallel(cp_mesh, rotate_method) as attention, _sdpa_replaced_by(_causal_only(attention)):
+            yield
+    else:
+        with _sdpa_replaced_by(_causal_only(_build_titan_attention(cp_mesh, rotate_method))):
+            yield
+
+
+@contextmanager
+def _torch_context_parallel(cp_mesh: DeviceMesh, rotate_method: str) -> Iterator[ShardedAttention]:
+    """torch's context_parallel with its SDPA dispatcher only (titan shards the buffers itself); yields its
+    ring attention, which context_parallel_attention wraps in the same checks as titan's."""
+    set_rotate_method(rotate_method)
+    # torch 2.13's context_parallel reads buffers[0] unconditionally (IndexError without buffers) and turns its
+    # head-tail load balancing on only when that buffer's length divides by 2 * cp. So it gets a placeholder of
+    # exactly that length, which it shards and we drop.
+    placeholder = torch.zeros(2 * cp_mesh.size(), device=cp_mesh.device_type)
+    with context_parallel(cp_mesh, buffers=[placeholder], buffer_seq_dims=[0], no_restore_buffers={placeholder}):
+        # Its ring attention must assume the layout shard_sequence makes; a global another caller
+        # (_context_parallel_shard without a load balancer) may have switched off.
+        assert _cp_options.enable_load_balance, "torch's context parallel is not using head-tail load balancing"
+        torch_sdpa = F.scaled_dot_product_attention  # torch's patch: wraps q/k/v as DTensors for its dispatcher
+        yield lambda query, key, value, scale: torch_sdpa(query, key, value, is_causal=True, scale=scale)
+
+
+@contextmanager
+def _sdpa_replaced_by(replacement: Callable[..., Tensor]) -> Iterator[None]:
+    """Monkey-patch F.scaled_dot_product_attention, as torch's own CP dispatch mode does, so the model stays
+    free of parallel code; whatever was there comes back on exit, errors included."""
+    previous = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = replacement
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = previous
+
+
+def _causal_only(attention: ShardedAttention) -> Callable[..., Tensor]:
+    """F.scaled_dot_product_attention's signature, running `attention` for the causal calls Llama makes."""
+
+    def sharded_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                     enable_gqa: bool = False) -> Tensor:
+        if attn_mask is not None or dropout_p != 0.0 or not is_causal or enable_gqa:
+            raise NotImplementedError(
+                f"Context parallel attention only supports scaled_dot_product_attention(q, k, v, is_causal=True) "
+                f"(got attn_mask={'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}, "
+                f"is_causal={is_causal}, enable_gqa={enable_gqa}). Set --parallelism.context_parallel_degree 1 "
+                f"for other attention masks.")
+        return attention(query, key, value, scale)
+
+    return sharded_sdpa
+
+
+def _build_titan_attention(cp_mesh: DeviceMesh, rotate_method: str) -> ShardedAttention:
+    """Causal attention over head-tail shards with the collectives of `rotate_method`, for any device."""
+    group_name = cp_mesh.get_group().group_name  # a string, so torch.compile can trace the collectives
+    cp_rank, cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
+    method = _allgather_attention if rotate_method == "allgather" else _ring_attention
+
+    def attention(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+        assert query.size(2) == key.size(2) and query.size(2) % 2 == 0, "q/k must be head-tail shards of one sequence"
+        scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale  # SDPA's default
+        return method(query, key, value, scale, group_name, cp_rank, cp_degree)
+
+    return attention
+
+
+def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,
+                         cp_rank: int, cp_degree: int) -> Tensor:
+    """Gather all keys and values (their gradients reduce-scatter back), and mask each local query row to the
+    keys at or before its global position. Every row sees at least its own key, so none is fully masked."""
+    chunk_len = query.size(2) // 2
+    # (bs, heads, seq, head_dim), rows in rank-major head-tail order: the mask below follows that order.
+    all_keys = funcol.all_gather_single_autograd(key.contiguous(), gather_dim=2, group=group_name)
+    all_values = funcol.all_gather_single_autograd(value.contiguous(), gather_dim=2, group=group_name)
+    query_positions = _positions(cp_rank, cp_degree, chunk_len, query.device)
+    key_positions = _gathered_positions(cp_degree, chunk_len, query.device)
+    visible = key_positions[None, :] <= query_positions[:, None]  # (local_seq, seq)
+    return _sdpa(query, all_keys, all_values, attn_mask=visible, scale=scale)
+
+
+def _ring_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,
+                    cp_rank: int, cp_degree: int) -> Tensor:
+    """Pass K/V around the ring (cp_degree - 1 hops) and merge each block's partial attention by its log-sum-exp.
+
+    Work goes by (query chunk, key chunk) pair: full attention when the key chunk comes first, causal on the
+    diagonal, nothing when it comes later. So no computed row is ever fully masked, and neither forward nor
+    backward sees a NaN.
+    """
+    chunk_len = query.size(2) // 2
+    query_chunks = query.split(chunk_len, dim=2)
+    query_ids = _chunk_ids(cp_rank, cp_degree)
+    merged: dict[int, tuple[Tensor, Tensor]] = {}  # per local query chunk: (attention so far, its log-sum-exp)
+    kv = torch.stack([key, value])  # (2, bs, heads, local_seq, head_dim): one buffer, so one collective per hop
+    for hop in range(cp_degree):
+        if hop > 0:
+            kv = _pass_to_next_rank(kv, group_name, cp_rank, cp_degree)
+        key_ids = _chunk_ids((cp_rank - hop) % cp_degree, cp_degree)
+        for key_id, kv_chunk in zip(key_ids, kv.split(chunk_len, dim=3)):
+            for i, (query_id, query_chunk) in enumerate(zip(query_ids, query_chunks)):
+                if key_id <= query_id:
+                    block = _block_attention(query_chunk, kv_chunk[0], kv_chunk[1], key_id == query_id, scale)
+                    merged[i] = _merge(merged.get(i), block)
+    # Both chunks have entries: at hop 0 each query chunk meets its own chunk.
+    return torch.cat([merged[i][0] for i in range(2)], dim=2).to(query.dtype)
+
+
+def _pass_to_next_rank(kv: Tensor, group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
+    """Send the whole buffer to cp rank + 1 and receive rank - 1's, as an all-to-all whose other splits are
+    empty: autograd-aware, so gradients travel back the other way."""
+    send_sizes, receive_sizes = [0] * cp_degree, [0] * cp_degree
+    send_sizes[(cp_rank + 1) % cp_degree] = kv.size(0)
+    receive_sizes[(cp_rank - 1) % cp_degree] = kv.size(0)
+    return funcol.all_to_all_single_autograd(kv, receive_sizes, send_sizes, group=group_name)
+
+
+def _block_attention(query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of one query chunk over one key chunk in fp32, and each row's log-sum-exp (bs, heads, chunk, 1)."""
+    scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale  # (bs, heads, chunk, chunk)
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), value.float()), lse
+
+
+def _merge(merged: tuple[Tensor, Tensor] | None, block: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Online softmax: reweight the attention so far and the new block's by their share of the combined
+    normaliser, exactly (and differentiably through both log-sum-exps)."""
+    if merged is None:
+        return block
+    (out, lse), (block_out, block_lse) = merged, block
+    new_lse = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new_lse) + block_out * torch.exp(block_lse - new_lse), new_lse
