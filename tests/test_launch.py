@@ -97,13 +97,14 @@ def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
 
 
 
-def test_ngpu2_nonfinite_loss_stops_both_ranks_at_the_same_step(tmp_path: Path) -> None:
-    """A real divergence (lr 1e30, no clipping) under FSDP=2, where each rank reads its own batch: both ranks see
-    the global loss and gradient norm, stop at the same step with exit code 3 and the hint, and that step is
-    never checkpointed."""
+@pytest.mark.parametrize("layout", [["--parallelism.data_parallel_shard_degree", "2"],
+                                    ["--parallelism.pipeline_parallel_degree", "2"]], ids=["fsdp2", "pp2"])
+def test_ngpu2_nonfinite_loss_stops_both_ranks_at_the_same_step(tmp_path: Path, layout: list[str]) -> None:
+    """A real divergence (lr 1e30, no clipping) under FSDP=2, where each rank reads its own batch, and under PP=2,
+    where only the last stage computes the loss: both ranks see the global loss and gradient norm, stop at the same
+    step with exit code 3 and the hint, and that step is never checkpointed."""
     result = run_train(*SHORT, "--training.local_batch_size", "2", "--optimizer.lr", "1e30",
-                       "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0",
-                       "--parallelism.data_parallel_shard_degree", "2", "--checkpoint.enable",
+                       "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0", *layout, "--checkpoint.enable",
                        "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path), env={"NGPU": "2"})
     output = result.stdout + result.stderr
     assert result.returncode == 3, output

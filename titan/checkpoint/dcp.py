@@ -124,8 +124,11 @@ def root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
-def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict[str, torch.Tensor]) -> None:
-    """Raise a CheckpointError listing every parameter whose shape differs, or that only one side has."""
+def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict[str, torch.Tensor],
+                       model_fqns: set[str]) -> None:
+    """Raise a CheckpointError listing every parameter of this rank's `model_state` whose shape differs or that the
+    checkpoint lacks, and every saved parameter that is not in the whole model (`model_fqns`: a pipeline rank holds
+    only its stages' parameters)."""
     prefix = f"{MODEL_KEY}."
     saved = {key.removeprefix(prefix): tuple(value.size) for key, value in metadata.items()
              if key.startswith(prefix) and isinstance(value, TensorStorageMetadata)}
@@ -134,7 +137,7 @@ def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict
                 for fqn, shape in expected.items() if fqn in saved and saved[fqn] != shape]
     problems += [f"{fqn} {shape} is missing from the checkpoint" for fqn, shape in expected.items() if fqn not in saved]
     problems += [f"{fqn} {shape} is in the checkpoint but not in the model" for fqn, shape in saved.items()
-                 if fqn not in expected]
+                 if fqn not in model_fqns]
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError([f"Checkpoint {folder} was saved from a different model: {shown}. Use the "
@@ -178,8 +181,11 @@ class Checkpointer:
 
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader: Any, device: torch.device,
-                 dp_rank: int, dp_degree: int) -> None:
+                 dp_rank: int, dp_degree: int, model_fqns: set[str]) -> None:
+        """`model` is this rank's share of the model by FQN (all of it without pipeline parallel); `model_fqns` are
+        the parameter FQNs of the whole model."""
         self.cfg = cfg
+        self.model_fqns = model_fqns
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.device = device
@@ -312,7 +318,9 @@ class Checkpointer:
             from titan.checkpoint.hf import load_hf_weights
 
             state = load_hf_weights(path, self.model.args)
-            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True))
+            own = get_model_state_dict(self.model).keys()  # a pipeline rank loads only its stages' tensors
+            set_model_state_dict(self.model, {fqn: state[fqn] for fqn in own if fqn in state},
+                                 options=StateDictOptions(full_state_dict=True))
             logger.info(f"Loaded Hugging Face weights from {path}")
             return self.start_state()
         if self.cfg.initial_load_model_only:
@@ -325,7 +333,7 @@ class Checkpointer:
         metadata = read_metadata(folder, fix)
         saved_parts = {key.split(".", 1)[0] for key in metadata}
         model_state = get_model_state_dict(self.model)
-        check_model_shapes(folder, metadata, model_state)
+        check_model_shapes(folder, metadata, model_state, self.model_fqns)
         train_state = self.start_state()
         parts = [part for part in (MODEL_KEY, "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
         state: dict[str, Any] = {MODEL_KEY: model_state} if MODEL_KEY in parts else {}

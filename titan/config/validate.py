@@ -250,7 +250,8 @@ def check_pipeline_stages(cfg: JobConfig, world_size: int) -> list[str]:
                 "training.local_batch_size")
 def check_pipeline_microbatches(cfg: JobConfig, world_size: int) -> str | None:
     par, local_batch = cfg.parallelism, cfg.training.local_batch_size
-    pp, size, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_microbatch_size, par.pipeline_parallel_schedule
+    pp, size = par.pipeline_parallel_degree, par.pipeline_parallel_microbatch_size
+    schedule = par.pipeline_parallel_schedule
     if pp == 1:
         return None
     if local_batch % size:
@@ -263,9 +264,9 @@ def check_pipeline_microbatches(cfg: JobConfig, world_size: int) -> str | None:
     if microbatches >= pp and (schedule not in ROUND_SCHEDULES or microbatches % rounds == 0):
         return None
     valid = max(pp, microbatches // pp * pp) * size
+    multiple = f", and a multiple of {pp}" if schedule in ROUND_SCHEDULES else ""
     return (f"--parallelism.pipeline_parallel_schedule {schedule} on --parallelism.pipeline_parallel_degree {pp} "
-            f"needs at least {pp} micro-batches{', and a multiple of ' + str(pp) if schedule in ROUND_SCHEDULES else ''}"
-            f", but --training.local_batch_size {local_batch} / --parallelism.pipeline_parallel_microbatch_size "
+            f"needs at least {pp} micro-batches{multiple}, but --training.local_batch_size {local_batch} / --parallelism.pipeline_parallel_microbatch_size "
             f"{size} gives {microbatches}. Try --training.local_batch_size {valid}.")
 
 
@@ -286,7 +287,8 @@ def torch_version() -> tuple[int, int]:
 
 @needs_in_range("parallelism.context_parallel_degree", "parallelism.tensor_parallel_degree")
 def check_context_parallel(cfg: JobConfig, world_size: int) -> str | None:
-    cp, tp, seq_len = cfg.parallelism.context_parallel_degree, cfg.parallelism.tensor_parallel_degree, cfg.training.seq_len
+    par, seq_len = cfg.parallelism, cfg.training.seq_len
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
     if cp == 1:
         return None
     step = 2 * cp * tp // math.gcd(2, tp)

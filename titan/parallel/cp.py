@@ -24,6 +24,10 @@ from torch.distributed.tensor.experimental._attention import _cp_options, set_ro
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
+# torch 2.13 renamed the all-gathers (the old names warn there); torch 2.11 has only the old ones.
+all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
+
 # Attention over this rank's q/k/v shards (bs, heads, local_seq, head_dim) with an optional softmax scale.
 ShardedAttention = Callable[[Tensor, Tensor, Tensor, float | None], Tensor]
 
@@ -57,7 +61,7 @@ def shard_sequence(tensor: Tensor, seq_dim: int, cp_rank: int, cp_degree: int) -
 
 def unshard_sequence(local: Tensor, seq_dim: int, cp_mesh: DeviceMesh) -> Tensor:
     """The whole sequence in natural order on every rank, from each rank's `shard_sequence` shard."""
-    gathered = funcol.all_gather_single(local.contiguous(), gather_dim=seq_dim, group=cp_mesh)
+    gathered = all_gather(local.contiguous(), gather_dim=seq_dim, group=cp_mesh)
     positions = _gathered_positions(cp_mesh.size(), local.size(seq_dim) // 2, local.device)
     return gathered.index_select(seq_dim, torch.argsort(positions))
 
@@ -160,8 +164,8 @@ def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float
     keys at or before its global position. Every row sees at least its own key, so none is fully masked."""
     chunk_len = query.size(2) // 2
     # (bs, heads, seq, head_dim), rows in rank-major head-tail order: the mask below follows that order.
-    all_keys = funcol.all_gather_single_autograd(key.contiguous(), gather_dim=2, group=group_name)
-    all_values = funcol.all_gather_single_autograd(value.contiguous(), gather_dim=2, group=group_name)
+    all_keys = all_gather_autograd(key.contiguous(), gather_dim=2, group=group_name)
+    all_values = all_gather_autograd(value.contiguous(), gather_dim=2, group=group_name)
     query_positions = _positions(cp_rank, cp_degree, chunk_len, query.device)
     key_positions = _gathered_positions(cp_degree, chunk_len, query.device)
     visible = key_positions[None, :] <= query_positions[:, None]  # (local_seq, seq)

@@ -19,8 +19,15 @@ def needs_full_init(model: nn.Module, device: torch.device, pipelined: bool) -> 
 
 
 def apply_full_init(model: nn.Module, full: nn.Module) -> None:
-    """Overwrite the (sharded) parameters of `model`, the whole model or a pipeline stage of it, with those of
-    `full` (an unsharded, already initialised copy), each rank keeping its own shard."""
+    """Fill `model`, the whole model or a pipeline stage of it, just materialised with to_empty, from `full` (an
+    unsharded, already initialised copy): each rank keeps its own shard of every parameter, and buffers of the same
+    name (the rotary table) are copied whole. No random op runs on the sharded parameters, which DTensor on CPU
+    would warn about."""
     own = get_model_state_dict(model).keys()
     state = {fqn: tensor for fqn, tensor in full.state_dict().items() if fqn in own}
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    own_buffers = dict(model.named_buffers())
+    with torch.no_grad():
+        for name, buffer in full.named_buffers():
+            if name in own_buffers:
+                own_buffers[name].copy_(buffer)

@@ -14,8 +14,9 @@ from titan.parallel.tp import apply_tp
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
                       ac: ActivationCheckpoint, train: Training, compile_cfg: Compile) -> None:
-    """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so later stages see DTensor weights; compile
-    traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block."""
+    """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so
+    later stages see DTensor weights; compile traces the checkpointed block; FSDP wraps last so that each FSDP unit
+    is a final (compiled) block."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)

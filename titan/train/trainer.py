@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor.parallel import loss_parallel
 
 from titan.checkpoint.dcp import Checkpointer, TrainState
@@ -36,8 +37,8 @@ from titan.parallel.dims import (
 )
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
-from titan.parallel.pp import StageModel, build_schedule, log_schedule, merge_stage_models, split_model
-from titan.parallel.stages import plan_stages, requested_num_stages
+from titan.parallel.pp import build_schedule, log_schedule, merge_stage_models, split_model
+from titan.parallel.stages import StagePlan, plan_stages, requested_num_stages
 from titan.parallel.tp import build_vocab_sharded_loss
 from titan.quant.convert import apply_converters
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
@@ -87,12 +88,14 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.model_args)
         self.log_model_size(model)
+        model_fqns = {fqn for fqn, _ in model.named_parameters()}
         self.flops_per_token = flops_per_token(self.model_args, num_params(model, exclude_embedding=True),
                                                cfg.training.seq_len)
         apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, self.dims.tp,
                          cfg.model.print_after_conversion)
         if self.float8_all_gather_enabled:
             apply_float8_all_gather(model)
+        self.stage_plan = self.plan_pipeline() if self.dims.pp_enabled else None
         self.model_parts, self.stage_ids = self.split_pipeline(model)
         for part in self.model_parts:
             parallelize_llama(part, self.dims, self.meshes, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
@@ -112,7 +115,8 @@ class Trainer:
         dp_rank, dp_degree = data_parallel_rank(self.meshes)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                         self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree)
+                                         self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree,
+                                         model_fqns)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
@@ -123,17 +127,21 @@ class Trainer:
         self.last_finite_loss: float | None = None
         self.current_lr = cfg.optimizer.lr
 
-    def split_pipeline(self, model: Transformer) -> tuple[list[torch.nn.Module], tuple[int, ...]]:
-        """This rank's pipeline stages and their ids; the whole model as stage 0 without pipeline parallel."""
-        if not self.dims.pp_enabled:
-            return [model], (0,)
+    def plan_pipeline(self) -> StagePlan:
+        """The blocks of every pipeline stage, reported once with the schedule."""
         par = self.cfg.parallelism
         num_stages = requested_num_stages(self.model_args.n_layers, self.dims.pp, par.pipeline_parallel_schedule,
                                           par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_split_points)
-        self.stage_plan = plan_stages(self.model_args.n_layers, num_stages, par.pipeline_parallel_split_points)
-        log_schedule(self.stage_plan, par.pipeline_parallel_schedule, self.dims.pp, self.num_microbatches,
+        plan = plan_stages(self.model_args.n_layers, num_stages, par.pipeline_parallel_split_points)
+        log_schedule(plan, par.pipeline_parallel_schedule, self.dims.pp, self.num_microbatches,
                      par.pipeline_parallel_microbatch_size)
-        return split_model(model, self.stage_plan, self.meshes.pp, par.pipeline_parallel_schedule)
+        return plan
+
+    def split_pipeline(self, model: Transformer) -> tuple[list[torch.nn.Module], tuple[int, ...]]:
+        """This rank's pipeline stages and their ids; the whole model as stage 0 without pipeline parallel."""
+        if self.stage_plan is None:
+            return [model], (0,)
+        return split_model(model, self.stage_plan, self.meshes.pp, self.cfg.parallelism.pipeline_parallel_schedule)
 
     @property
     def num_microbatches(self) -> int:
@@ -142,12 +150,14 @@ class Trainer:
 
     def init_model_weights(self) -> None:
         """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
-        for part in self.model_parts:
-            self.materialize(part)
         if needs_full_init(self.model_parts[0], self.device, self.dims.pp_enabled):
             full = self.build_full_model()
             for part in self.model_parts:
+                part.to_empty(device=self.device)
                 apply_full_init(part, full)
+        else:
+            for part in self.model_parts:
+                self.materialize(part)
 
     def shard_rotary_tables(self) -> None:
         """Keep the rotary rows of this rank's context-parallel chunks, the positions of its tokens (the table has
@@ -155,10 +165,11 @@ class Trainer:
         cp_mesh = self.meshes.cp
         for part in self.model_parts:
             part.freqs_cis = shard_sequence(part.freqs_cis, 0, cp_mesh.get_local_rank(), cp_mesh.size())
+        path = describe_cp_path(self.device.type, self.cfg.parallelism.context_parallel_rotate_method)
         logger.info(f"Context parallel over {self.dims.cp} ranks: each holds 2 of {2 * self.dims.cp} chunks of every "
-                    f"sequence; {describe_cp_path(self.device.type, self.cfg.parallelism.context_parallel_rotate_method)}")
+                    f"sequence. {path}")
 
-    def build_pipeline_schedule(self):
+    def build_pipeline_schedule(self) -> _PipelineSchedule:
         """The pipelining schedule, whose last stage computes the loss of each micro-batch. The loss is divided by
         the micro-batches and accumulation steps, so gradients add up to those of the step's mean loss."""
         parts_per_step = self.grad_accumulation_steps * self.num_microbatches
