@@ -19,33 +19,64 @@ the time of one copy of the training state to host memory, the floor an async sa
 
     python scripts/benchmark.py --checkpoint
 
+Pipeline parallel over 2 CPU processes (gloo), each schedule with 2, 4 and 8 micro-batches of one sequence: the
+median step time, and the share of each step's pipelined forward-backward that each rank idles, next to the
+schedule's ideal bubble (equal-cost stages, free communication):
+
+    python scripts/benchmark.py --pipeline          # GPipe 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble
+    python scripts/benchmark.py --pipeline GPipe 1F1B --steps 10 -- --training.seq_len 128
+
+A rank idles while it is blocked in the schedule's waits on point-to-point transfers (torch's _wait_batch_p2p, timed
+through a wrapper), and from the end of its own last action until every rank is done: a barrier on each side of the
+schedule's step lines up the ranks' windows, so the drain counts against the rank that finished first. The table
+shows each rank's idle share of the schedule's step and their mean, the number to compare with the ideal bubble.
+
 Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from multiprocessing.queues import SimpleQueue
 from pathlib import Path
+from typing import get_args, get_type_hints
+from unittest.mock import patch
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing
+from torch.distributed.elastic.utils.distributed import get_free_port
+from torch.distributed.pipelining import schedules
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.dtypes import to_dtype  # noqa: E402
+from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.exits import run_main  # noqa: E402
-from titan.metrics.log import init_logger  # noqa: E402
+from titan.metrics.log import init_logger, logger  # noqa: E402
 from titan.models.llama.init import init_weights  # noqa: E402
 from titan.models.llama.loss import cross_entropy_loss  # noqa: E402
 from titan.models.llama.model import Transformer  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
+from titan.parallel.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+
+PIPELINE_SCHEDULES = get_args(get_type_hints(Parallelism)["pipeline_parallel_schedule"])
+# Every schedule but LoopedBFS, to keep the default run to about three minutes; name it to time it too.
+DEFAULT_PIPELINE_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
+PIPELINE_MICROBATCHES = (2, 4, 8)
+PIPELINE_RANKS = 2
+# Fifteen runs (five schedules x three micro-batch counts) share the three minutes: fewer steps each.
+PIPELINE_STEPS, PIPELINE_WARMUP = 6, 2
 
 
 def synchronize(device: torch.device) -> None:
@@ -191,17 +222,122 @@ def checkpoint_table(argv: list[str], repeats: int) -> None:
               f"{state_bytes / 2**20:10.1f} {copy_seconds * 1e3:13.1f}")
 
 
+class PipelineIdleClock:
+    """Seconds this rank spends in pipelined forward-backwards (`span`) and idle within them (`idle`): blocked in
+    the schedules' waits on point-to-point work, or done with its own actions while a peer still computes."""
+
+    def __init__(self, schedule_step: Callable[..., object], group: dist.ProcessGroup) -> None:
+        self.schedule_step = schedule_step
+        self.wait_batch_p2p = schedules._wait_batch_p2p
+        self.group = group
+        self.span = 0.0
+        self.idle = 0.0
+
+    def timed_wait(self, works: list[dist.Work]) -> None:
+        """Stands in for schedules._wait_batch_p2p, where every torch schedule blocks on transfers once its stages
+        are set up (the set-up's own blocking sends and receives run in the first, untimed step)."""
+        start = time.perf_counter()
+        self.wait_batch_p2p(works)
+        self.idle += time.perf_counter() - start
+
+    def aligned_step(self, *args: object, **kwargs: object) -> object:
+        """Stands in for the schedule's step. The first barrier starts every rank's window together; the second
+        holds the rank that finished first until the pipeline has drained, which the ideal bubble counts as idle
+        (without it, that rank would wait in the gradient-norm all-reduce instead)."""
+        dist.barrier(group=self.group)
+        start = time.perf_counter()
+        result = self.schedule_step(*args, **kwargs)
+        finished = time.perf_counter()
+        dist.barrier(group=self.group)
+        end = time.perf_counter()
+        self.idle += end - finished
+        self.span += end - start
+        return result
+
+
+def time_pipeline_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], list[float]]:
+    """Seconds of `steps` train steps after `warmup` untimed ones, and the share of each step's pipelined
+    forward-backward this rank idled."""
+    clock = PipelineIdleClock(trainer.schedule.step, trainer.meshes.pp.get_group())
+    data_iterator = iter(trainer.dataloader)
+    step_seconds, idle_shares = [], []
+    with (patch.object(schedules, "_wait_batch_p2p", clock.timed_wait),
+          patch.object(trainer.schedule, "step", clock.aligned_step)):
+        for step in range(warmup + steps):
+            clock.span = clock.idle = 0.0
+            start = time.perf_counter()
+            trainer.train_step(data_iterator)
+            if step >= warmup:
+                step_seconds.append(time.perf_counter() - start)
+                idle_shares.append(clock.idle / clock.span)
+    return step_seconds, idle_shares
+
+
+def measure_pipeline_rank(rank: int, port: int, cfg: JobConfig, warmup: int, steps: int,
+                          results: SimpleQueue) -> None:
+    """One pipeline rank, forked by pipeline_table: rank 0 puts its median step seconds, the ideal bubble and each
+    rank's median idle share on `results`."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(PIPELINE_RANKS), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), CUDA_VISIBLE_DEVICES="")
+    torch.set_num_threads(1)  # one core per rank, as torchrun's OMP_NUM_THREADS=1 gives
+    logger.handlers.clear()  # the parent's handler has its rank and world size
+    init_logger()
+    logger.setLevel(logging.WARNING)  # the table is the output; Trainer's startup report would repeat per run
+    trainer = Trainer(cfg, PIPELINE_RANKS)
+    step_seconds, idle_shares = time_pipeline_steps(trainer, warmup, steps)
+    rank_idle: list[float] = [0.0] * PIPELINE_RANKS
+    dist.all_gather_object(rank_idle, statistics.median(idle_shares), group=trainer.meshes.pp.get_group())
+    schedule = trainer.cfg.parallelism.pipeline_parallel_schedule
+    ideal = ideal_bubble_fraction(schedule, PIPELINE_RANKS, len(trainer.stage_ids), trainer.num_microbatches)
+    if rank == 0:
+        results.put((statistics.median(step_seconds), ideal, rank_idle))
+    destroy_distributed(wait_for_peers=True)
+
+
+def pipeline_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """Fork PIPELINE_RANKS processes running measure_pipeline_rank for each schedule and micro-batch count and
+    print one table. Forked, not launched with torchrun: the children inherit the imported torch and Titan, which
+    would otherwise cost each of the fifteen runs several seconds. Every config is checked first, so a bad flag
+    stops with its ConfigError before any process starts."""
+    runs = [(schedule, num_microbatches,
+             load_job_config([*argv, "--parallelism.pipeline_parallel_degree", str(PIPELINE_RANKS),
+                              "--parallelism.pipeline_parallel_schedule", schedule,
+                              "--parallelism.pipeline_parallel_microbatch_size", "1",
+                              "--training.local_batch_size", str(num_microbatches)], PIPELINE_RANKS))
+            for schedule in args.pipeline or DEFAULT_PIPELINE_SCHEDULES for num_microbatches in PIPELINE_MICROBATCHES]
+    print(f"{'schedule':<22} {'microbatches':>12} {'step s':>7} {'idle rank 0':>12} {'idle rank 1':>12} "
+          f"{'idle mean':>10} {'ideal bubble':>13}", flush=True)
+    results = torch.multiprocessing.get_context("fork").SimpleQueue()
+    for schedule, num_microbatches, cfg in runs:
+        torch.multiprocessing.start_processes(measure_pipeline_rank,
+                                              (get_free_port(), cfg, args.warmup, args.steps, results),
+                                              nprocs=PIPELINE_RANKS, start_method="fork")
+        seconds, ideal, rank_idle = results.get()
+        print(f"{schedule:<22} {num_microbatches:>12} {seconds:7.3f} {100 * rank_idle[0]:11.1f}% "
+              f"{100 * rank_idle[1]:11.1f}% {100 * statistics.mean(rank_idle):9.1f}% {100 * ideal:12.1f}%",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per loop")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compile, allocator)")
+    parser.add_argument("--steps", type=int,
+                        help=f"timed steps per loop (default 10; {PIPELINE_STEPS} with --pipeline)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first: compile, allocator, pipeline set-up "
+                                                   f"(default 3; {PIPELINE_WARMUP} with --pipeline)")
     parser.add_argument("--repeats", type=int, default=2, help="alternate titan/bare this many times, keep the best")
     parser.add_argument("--fsdp-memory", type=int, nargs="+", metavar="N",
                         help="bytes and tokens/s per rank with FSDP over each N processes")
     parser.add_argument("--rank-memory", action="store_true", help=argparse.SUPPRESS)  # the --fsdp-memory worker
     parser.add_argument("--checkpoint", action="store_true", help="time blocked per checkpoint save, sync vs async")
+    parser.add_argument("--pipeline", nargs="*", choices=PIPELINE_SCHEDULES, metavar="SCHEDULE",
+                        help="step time and idle share of each pipeline schedule over 2 ranks and 2, 4 and 8 "
+                             f"micro-batches (default: {' '.join(DEFAULT_PIPELINE_SCHEDULES)})")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = PIPELINE_STEPS if args.pipeline is not None else 10
+    if args.warmup is None:
+        args.warmup = PIPELINE_WARMUP if args.pipeline is not None else 3
     init_logger()
     argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
             "/tmp/titan_benchmark", *args.titan_flags]
@@ -213,6 +349,9 @@ def main() -> None:
         return
     if args.checkpoint:
         checkpoint_table(argv, max(args.repeats, 3))
+        return
+    if args.pipeline is not None:
+        pipeline_table(args, argv)
         return
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     t = trainer.cfg.training
