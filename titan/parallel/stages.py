@@ -31,14 +31,21 @@ def default_stages_per_rank(schedule: str) -> int:
     return 2 if schedule in LOOPED_SCHEDULES else 1
 
 
-def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Blocks per stage, as even as possible; the remainder goes to the middle stages first, since the first and
-    last stage also carry the embedding and the output projection, and to the last stage (the vocab-sized output
-    matmul and the loss) last of all."""
+def extra_block_order(num_stages: int, pp: int, schedule: str) -> list[int]:
+    """Which stages get the blocks left over from an even split, first to last. In a V (rank r runs stages r and
+    2p-1-r) one extra per rank, inner ranks first, so ranks stay balanced; otherwise the middle stages first, since
+    the first and last stage also carry the embedding and the output projection, and the last stage (the
+    vocab-sized output matmul and the loss) last of all."""
+    if schedule in V_SCHEDULES:
+        return [*range(pp - 1, -1, -1), *range(pp, num_stages)]
+    return [*range(1, num_stages - 1), 0, num_stages - 1][:num_stages]
+
+
+def even_split(num_layers: int, num_stages: int, pp: int, schedule: str) -> tuple[int, ...]:
+    """Blocks per stage, as even as possible, with the remainder placed by extra_block_order."""
     base, extra = divmod(num_layers, num_stages)
-    middle_first = [*range(1, num_stages - 1), 0, num_stages - 1]
     counts = [base] * num_stages
-    for stage in middle_first[:extra]:
+    for stage in extra_block_order(num_stages, pp, schedule)[:extra]:
         counts[stage] += 1
     return tuple(counts)
 
@@ -54,14 +61,14 @@ def split_point_layers(split_points: list[str]) -> list[int]:
     return layers
 
 
-def plan_stages(num_layers: int, num_stages: int, split_points: list[str]) -> StagePlan:
+def plan_stages(num_layers: int, num_stages: int, split_points: list[str], pp: int, schedule: str) -> StagePlan:
     """Stages from split points ("layers.k" starts a stage) when given, else an even split into num_stages.
     Validation has checked that the points are increasing and inside the model."""
     if split_points:
         bounds = [0, *split_point_layers(split_points), num_layers]
     else:
         bounds = [0]
-        for count in even_split(num_layers, num_stages):
+        for count in even_split(num_layers, num_stages, pp, schedule):
             bounds.append(bounds[-1] + count)
     return StagePlan(tuple(tuple(range(start, end)) for start, end in zip(bounds, bounds[1:])))
 

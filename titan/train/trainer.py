@@ -132,7 +132,8 @@ class Trainer:
         par = self.cfg.parallelism
         num_stages = requested_num_stages(self.model_args.n_layers, self.dims.pp, par.pipeline_parallel_schedule,
                                           par.pipeline_parallel_layers_per_stage, par.pipeline_parallel_split_points)
-        plan = plan_stages(self.model_args.n_layers, num_stages, par.pipeline_parallel_split_points)
+        plan = plan_stages(self.model_args.n_layers, num_stages, par.pipeline_parallel_split_points, self.dims.pp,
+                           par.pipeline_parallel_schedule)
         log_schedule(plan, par.pipeline_parallel_schedule, self.dims.pp, self.num_microbatches,
                      par.pipeline_parallel_microbatch_size)
         return plan
