@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
@@ -190,6 +191,17 @@ def test_large_configs_are_valid_at_the_world_size_they_document(name: str, worl
                      "--training.dataset", "shipped"], world_size)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule is about gloo on CPU; NCCL runs are not affected")
+@pytest.mark.parametrize("version, problems", [((2, 11), 1), ((2, 13), 0)])
+def test_zero_bubble_v_schedule_needs_torch_2_13_on_cpu(monkeypatch: pytest.MonkeyPatch, version: tuple[int, int],
+                                                        problems: int) -> None:
+    """torch 2.11's ZBVZeroBubble stage setup fails over gloo; the config says so before any process group forms."""
+    monkeypatch.setattr("titan.config.validate.torch_version", lambda: version)
+    found = problems_for("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                         "ZBVZeroBubble", world_size=2)
+    assert len(found) == problems and all("Use torch 2.13 or newer" in p for p in found)
+
+
 def test_world_size_is_validated() -> None:
     with pytest.raises(ConfigError, match="must multiply to the world size 4"):
         load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3"], world_size=4)
@@ -198,8 +210,8 @@ def test_world_size_is_validated() -> None:
 
 
 @pytest.mark.parametrize("args, world_size, fields", [
-    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-      "--parallelism.pipeline_parallel_split_points", "layers.3"], 2, ["runs exactly 2 stage(s)"]),
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+      "--parallelism.pipeline_parallel_split_points", "layers.3"], 2, ["runs 2 or more stage(s)"]),
     (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
       "--training.local_batch_size", "5"], 2, ["and a multiple of 2, but --training.local_batch_size 5"]),
     (["--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree", "4",

@@ -24,10 +24,11 @@ from titan.train.trainer import Trainer  # noqa: E402
 
 
 def fsdp_sharded(module: nn.Module) -> bool:
-    """Whether `module`'s first parameter is FSDP's shard (a DTensor on a mesh with the dp_shard dimension) rather
-    than the gathered parameter (a plain tensor, or a DTensor on the tp mesh alone)."""
+    """Whether `module`'s first parameter is FSDP's shard (a DTensor on a mesh with the flattened dp_shard x cp
+    dimension FSDP shards over) rather than the gathered parameter (a plain tensor, or a DTensor on the tp mesh
+    alone)."""
     param = next(module.parameters())
-    return isinstance(param, DTensor) and "dp_shard" in (param.device_mesh.mesh_dim_names or ())
+    return isinstance(param, DTensor) and "dp_shard_cp" in (param.device_mesh.mesh_dim_names or ())
 
 
 def group_timeouts(trainer: Trainer) -> dict[str, float]:
