@@ -138,6 +138,18 @@ def test_context_parallel_with_fsdp_on_four_processes(tmp_path: Path, reference_
     assert_same_run(got, reference_dp2)
 
 
+@pytest.mark.parametrize("name, flags", [
+    ("pp2_compiled_full_ac", [*PP2, "--activation_checkpoint.mode", "full"]),
+    ("cp2_compiled_selective_ac", [*CP2, "--activation_checkpoint.mode", "selective"]),
+])
+def test_pipeline_and_context_parallel_with_compile_and_ac(tmp_path: Path, reference_dp1: dict, name: str,
+                                                           flags: list[str]) -> None:
+    """Compiled, checkpointed blocks inside pipeline stages, and around context-parallel attention (which dynamo
+    traces through, collectives included): still one process's eager run."""
+    got = run_harness(tmp_path, name, 2, 1, "--training.local_batch_size", "4", "--training.compile", *flags)
+    assert_same_run(got, reference_dp1)
+
+
 def run_probe(tmp_path: Path, nprocs: int, *flags: str) -> dict:
     """One step of Trainer.run on `nprocs` processes without clipping (it would rescale the gradients), probed by
     tests/trainer_probe.py."""
