@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -44,6 +43,7 @@ from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, Checkpoint
 from titan.metrics.log import logger
+from titan.parallel.init import load_full_state_dict
 
 # Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -318,9 +318,7 @@ class Checkpointer:
             from titan.checkpoint.hf import load_hf_weights
 
             state = load_hf_weights(path, self.model.args)
-            own = get_model_state_dict(self.model).keys()  # a pipeline rank loads only its stages' tensors
-            set_model_state_dict(self.model, {fqn: state[fqn] for fqn in own if fqn in state},
-                                 options=StateDictOptions(full_state_dict=True))
+            load_full_state_dict(self.model, state)
             logger.info(f"Loaded Hugging Face weights from {path}")
             return self.start_state()
         if self.cfg.initial_load_model_only:

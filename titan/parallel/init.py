@@ -18,14 +18,20 @@ def needs_full_init(model: nn.Module, device: torch.device, pipelined: bool) -> 
     return device.type == "cpu" and (pipelined or is_sharded(model))
 
 
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load the tensors of a full, unsharded state dict into `model`, the whole model or a pipeline rank's share of
+    it: each rank takes the entries its parameters have, and keeps its own shard of each."""
+    own = get_model_state_dict(model).keys()
+    set_model_state_dict(model, {fqn: state[fqn] for fqn in own if fqn in state},
+                         options=StateDictOptions(full_state_dict=True))
+
+
 def apply_full_init(model: nn.Module, full: nn.Module) -> None:
     """Fill `model`, the whole model or a pipeline stage of it, just materialised with to_empty, from `full` (an
     unsharded, already initialised copy): each rank keeps its own shard of every parameter, and buffers of the same
     name (the rotary table) are copied whole. No random op runs on the sharded parameters, which DTensor on CPU
     would warn about."""
-    own = get_model_state_dict(model).keys()
-    state = {fqn: tensor for fqn, tensor in full.state_dict().items() if fqn in own}
-    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+    load_full_state_dict(model, full.state_dict())
     own_buffers = dict(model.named_buffers())
     with torch.no_grad():
         for name, buffer in full.named_buffers():
