@@ -266,8 +266,9 @@ def check_pipeline_microbatches(cfg: JobConfig, world_size: int) -> str | None:
     valid = max(pp, microbatches // pp * pp) * size
     multiple = f", and a multiple of {pp}" if schedule in ROUND_SCHEDULES else ""
     return (f"--parallelism.pipeline_parallel_schedule {schedule} on --parallelism.pipeline_parallel_degree {pp} "
-            f"needs at least {pp} micro-batches{multiple}, but --training.local_batch_size {local_batch} / --parallelism.pipeline_parallel_microbatch_size "
-            f"{size} gives {microbatches}. Try --training.local_batch_size {valid}.")
+            f"needs at least {pp} micro-batches{multiple}, but --training.local_batch_size {local_batch} / "
+            f"--parallelism.pipeline_parallel_microbatch_size {size} gives {microbatches}. Try "
+            f"--training.local_batch_size {valid}.")
 
 
 def check_pipeline_schedule_support(cfg: JobConfig, world_size: int) -> str | None:
@@ -291,9 +292,9 @@ def check_context_parallel(cfg: JobConfig, world_size: int) -> str | None:
     cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
     if cp == 1:
         return None
-    step = 2 * cp * tp // math.gcd(2, tp)
     if seq_len % (2 * cp) == 0 and (seq_len // cp) % tp == 0:
         return None
+    step = 2 * cp * tp // math.gcd(2, tp)  # the smallest length both splits divide
     with_tp = f" (and its 1/{cp} share by --parallelism.tensor_parallel_degree {tp})" if tp > 1 else ""
     return (f"--training.seq_len {seq_len} must be divisible by 2 x --parallelism.context_parallel_degree {cp}"
             f"{with_tp}: context parallel splits each sequence into {2 * cp} load-balanced chunks. Try "
