@@ -2,7 +2,11 @@
 
 EXIT_USER_MISTAKE = 2
 EXIT_DIVERGED = 3
-KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED)
+EXIT_STOPPED_EARLY = 4
+"""A preemption signal or --job.time_limit stopped the run at a step boundary; rerunning the command resumes."""
+EXIT_HUNG = 5
+"""A step outlasted --comm.train_timeout_seconds; each rank's stack is in <dump_folder>/hang/."""
+KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG)
 """Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
 
 

@@ -35,6 +35,10 @@ class Job:
     """Free text naming the job; printed at startup and saved with the config."""
     print_config: bool = False
     """Print the resolved config (as TOML) at startup. It is always written to <dump_folder>/config.toml."""
+    time_limit: str | None = None
+    """Wall-clock budget of this run, e.g. 3h50m, 90m or 45s (set it a little under the scheduler's limit). When the
+    next step would cross it (from the measured step time and the last save's duration), every rank saves a
+    checkpoint and the run exits with code 4; rerunning the same command resumes. None: no limit."""
 
 
 @dataclass
@@ -115,6 +119,47 @@ class Training:
     """Seed for weight init and data-independent randomness; the same seed gives the same losses."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
+    mixture: list[str] = field(default_factory=list)
+    """Several weighted data sources instead of --training.dataset: each is DATASET[:PATH]=WEIGHT, with DATASET one
+    of shipped, text, jsonl (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of tables,
+    `mixture = [{dataset = "shipped", weight = 1}, {dataset = "jsonl", path = "data/code.jsonl", weight = 3}]`).
+    Each sequence comes from one source, drawn with probability proportional to its weight; a source that runs out
+    starts over. Empty: the single source of --training.dataset."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """What a non-finite loss or gradient norm does: stop the run (exit 3), or skip that step's update (no optimizer
+    or LR-schedule step; the data moves on) and record it in <dump_folder>/anomalies.jsonl."""
+    max_skipped_steps: Count = 10
+    """Stop the run (exit 3) once this many steps were skipped or rolled back, non-finite or spiking: by then the
+    problem is not one bad batch."""
+    on_spike: Literal["log", "skip", "rollback"] = "log"
+    """What a loss spike does: log it (and record it in <dump_folder>/anomalies.jsonl), skip that step's update, or
+    reload the last checkpoint and skip the batches between it and the spike (needs --checkpoint.enable)."""
+    spike_window: Count = 100
+    """Recent steps whose losses define the typical loss. Spikes are detected once this many steps were seen."""
+    spike_threshold: PositiveFloat = 6.0
+    """A step is a spike when its loss exceeds the median of the last spike_window losses by more than this many
+    median absolute deviations (the deviation is floored at 1% of the median, so a flat loss never flags noise)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Evaluate the loss on held-out data every --validation.freq steps and at the last step (logged as val_loss
+    and val_perplexity at that training step)."""
+    dataset: Literal["shipped", "text", "jsonl", "hf"] = "shipped"
+    """Evaluation data: shipped (the held-out 1 in 20 documents of the shipped corpus, which training never
+    reads), or text, jsonl or hf data given by --validation.dataset_path, read as --training.dataset reads it."""
+    dataset_path: str | None = None
+    """A file, folder or glob (text, jsonl) or a dataset name or folder (hf). Unused for shipped."""
+    freq: Count = 100
+    """Training steps between evaluations."""
+    steps: CountOrAuto = -1
+    """Batches per evaluation. -1: one pass over the whole set (every rank evaluates the same number of batches:
+    the last incomplete global batch is left out)."""
+    local_batch_size: OptionalCount = None
+    """Sequences per device per evaluation batch. None: --training.local_batch_size."""
+    seq_len: OptionalCount = None
+    """Tokens per evaluation sequence, at most --training.seq_len. None: --training.seq_len."""
 
 
 @dataclass
@@ -148,7 +193,8 @@ class Comm:
     init_timeout_seconds: Count = 300
     """Timeout for process-group setup and the first collectives."""
     train_timeout_seconds: Count = 100
-    """Timeout for each collective once training has started."""
+    """Longest a training step (or evaluation) may take once training has started. Past it, every rank writes its
+    Python stack to <dump_folder>/hang/rank_<r>.txt and the run exits with code 5, naming the slowest rank."""
 
 
 @dataclass
@@ -295,6 +341,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
+    validation: Validation = field(default_factory=Validation)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

@@ -277,6 +277,10 @@ class PackedTokenDataset(IterableDataset):
                               f"needs --training.seq_len {self.seq_len} + 1 = {self.seq_len + 1}. Lower "
                               f"--training.seq_len or add more data.")
 
+    def position(self) -> dict[str, int]:
+        """Where the next window starts, as plain JSON-able values (for anomaly records)."""
+        return self._position._asdict()
+
     def state_dict(self) -> dict[str, Any]:
         return self._position._asdict()
 
