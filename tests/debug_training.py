@@ -1,11 +1,11 @@
 """The debug model's job file and depth, and short single-process training runs of it (for the converter tests)."""
 
-import json
 from pathlib import Path
 
 from titan.config.check import load_job_config
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.train.trainer import Trainer
+from train_script import losses_of
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -20,7 +20,7 @@ def train(tmp_path: Path, *args: str) -> tuple[Trainer, list[float]]:
             "--lr_scheduler.warmup_steps", "2", *args]
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     trainer.run()
-    return trainer, [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return trainer, losses_of(tmp_path)
 
 
 def train_losses(tmp_path: Path, *args: str) -> list[float]:

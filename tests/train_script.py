@@ -15,12 +15,21 @@ def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
                           timeout=600)
 
 
+def metric_records(folder: Path) -> list[dict]:
+    """Every record of <folder>/metrics.jsonl, in order (a resumed run appends to it)."""
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses_of(folder: Path) -> list[float]:
-    """Every logged loss of <folder>/metrics.jsonl, in order (a resumed run appends to it)."""
-    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    """Every logged training loss, in order."""
+    return [record["loss"] for record in metric_records(folder) if "loss" in record]
 
 
 def losses_by_step(folder: Path) -> dict[int, float]:
-    """Loss per step; where a resumed run logged a step again, its last value."""
-    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in records}
+    """Training loss per step; where a resumed run logged a step again, its last value."""
+    return {record["step"]: record["loss"] for record in metric_records(folder) if "loss" in record}
+
+
+def validation_records(folder: Path) -> list[dict]:
+    """Every evaluation's record (val_loss, val_perplexity, val_tokens), in order."""
+    return [record for record in metric_records(folder) if "val_loss" in record]

@@ -10,9 +10,15 @@ from titan.metrics.log import logger
 
 Record = dict[str, float | int | None]
 
-# Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU).
+# Every training record has these keys, in this order; a None value means "not measurable here" (MFU on CPU).
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
                "data_wait_pct", "eta_s")
+# An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
+VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
+
+
+def is_validation(record: Record) -> bool:
+    return "val_loss" in record
 
 
 class Sink(Protocol):
@@ -32,6 +38,9 @@ class ConsoleSink:
         self.color = color
 
     def write(self, record: Record) -> None:
+        if is_validation(record):
+            self.write_validation(record)
+            return
         parts = [
             ("step", f"step {record['step']:>5}"),
             ("loss", f"loss {record['loss']:8.4f}"),
@@ -47,6 +56,15 @@ class ConsoleSink:
             parts.append(("mem_gib", f"reserved {record['mem_reserved_gib']:.2f}GiB"))
         parts.append(("data_wait_pct", f"data {record['data_wait_pct']:.1f}%"))
         parts.append(("eta_s", f"eta {format_duration(record['eta_s'])}"))
+        logger.info("  ".join(self.paint(key, text) for key, text in parts))
+
+    def write_validation(self, record: Record) -> None:
+        parts = [
+            ("step", f"step {record['step']:>5}"),
+            ("loss", f"val_loss {record['val_loss']:8.4f}"),
+            ("val_perplexity", f"val_perplexity {record['val_perplexity']:,.2f}"),
+            ("val_tokens", f"{record['val_tokens']:,} tokens in {record['val_seconds']:.1f}s"),
+        ]
         logger.info("  ".join(self.paint(key, text) for key, text in parts))
 
     def paint(self, key: str, text: str) -> str:
@@ -73,7 +91,7 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars under `train/<key>` at the record's step."""
+    """Scalars under `train/<key>` (`val/<key>` for an evaluation) at the record's step."""
 
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
@@ -81,9 +99,11 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(folder))
 
     def write(self, record: Record) -> None:
+        validation = is_validation(record)
         for key, value in record.items():
             if key != "step" and value is not None:
-                self.writer.add_scalar(f"train/{key}", value, record["step"])
+                tag = f"val/{key.removeprefix('val_')}" if validation else f"train/{key}"
+                self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()
 
     def close(self) -> None:

@@ -91,6 +91,10 @@ class ThroughputMeter:
         self.tokens += tokens
         self.data_wait_seconds += data_wait_seconds
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of work that is not training (an evaluation) out of the current window's rates."""
+        self.window_start += seconds
+
     def window(self, step: int, steps_in_window: int) -> dict[str, float | None]:
         """Rates since the previous call (tps, tflops, mfu_pct, mem_gib, data_wait_pct, eta_s); then reset."""
         elapsed = max(time.perf_counter() - self.window_start, 1e-9)

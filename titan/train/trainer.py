@@ -4,6 +4,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -42,6 +43,7 @@ from titan.parallel.stages import StagePlan, plan_stages, requested_num_stages
 from titan.parallel.tp import build_vocab_sharded_loss
 from titan.quant.convert import apply_converters
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
+from titan.train.evaluate import EvalResult, evaluate
 from titan.train.lr import build_lr_scheduler
 from titan.train.nan_guard import check_finite, stop_hints
 from titan.train.optim import build_optimizer
@@ -282,16 +284,56 @@ class Trainer:
         return as_local(loss.detach())
 
     def pipeline_forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One local batch through the pipeline schedule. The first stage takes the inputs, the last the labels and
-        returns the micro-batch losses; ranks without the last stage contribute zero to the global mean."""
+        """One local batch through the pipeline schedule, forward and backward: the sum of its micro-batch losses."""
+        return self.run_pipeline(self.schedule.step, inputs, labels)
+
+    def run_pipeline(self, run: Callable[..., Any], inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Run the schedule's `step` or `eval` on one local batch. The first stage takes the inputs, the last the
+        labels and returns the micro-batch losses; ranks without the last stage contribute zero to the global mean."""
         losses: list[torch.Tensor] = []
         holds_first, holds_last = 0 in self.stage_ids, self.stage_plan.num_stages - 1 in self.stage_ids
         args = (inputs,) if holds_first else ()
         with self.autocast():
-            self.schedule.step(*args, target=labels if holds_last else None, losses=losses)
+            run(*args, target=labels if holds_last else None, losses=losses)
         if not holds_last:
             return torch.zeros((), device=self.device)
         return sum(as_local(loss.detach()) for loss in losses)
+
+    def evaluation_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One validation batch's mean token loss, forward only (zero on ranks without the last pipeline stage)."""
+        if self.dims.cp_enabled:
+            inputs, labels = self.context_parallel_shard(inputs), self.context_parallel_shard(labels)
+        with self.step_context():
+            if self.schedule is not None:
+                # The schedule divides each micro-batch loss by micro-batches x accumulation steps
+                # (build_pipeline_schedule), so the micro-batch losses add up to the batch mean over accumulation.
+                return self.run_pipeline(self.schedule.eval, inputs, labels) * self.grad_accumulation_steps
+            with self.autocast():
+                logits = self.model(inputs)
+            return as_local(self.loss_fn(logits, labels, self.model_args.vocab_size))
+
+    def run_validation(self) -> EvalResult:
+        """The loss over the validation set, in eval mode, without gradients."""
+        for part in self.model_parts:
+            part.eval()
+        batches = self.validation_batches
+        tokens_per_batch = batches.local_batch_size * batches.seq_len * self.dims.dp_degree
+        result = evaluate(batches, self.evaluation_loss, self.loss_sum, self.dims.dp_degree * self.dims.cp,
+                          tokens_per_batch, self.device)
+        for part in self.model_parts:
+            part.train()
+        return result
+
+    def validate(self) -> None:
+        """Evaluate and log val_loss at this step; the time is left out of the throughput window."""
+        result = self.run_validation()
+        self.meter.exclude(result.seconds)
+        for sink in self.sinks:
+            sink.write(result.record(self.step))
+
+    def should_validate(self) -> bool:
+        v = self.cfg.validation
+        return v.enable and (self.step % v.freq == 0 or self.step == self.cfg.training.steps)
 
     def context_parallel_shard(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's two load-balanced chunks of each sequence of a (bs, seq) batch."""
@@ -316,10 +358,13 @@ class Trainer:
         """The loss over the whole global batch: the mean over data-parallel and context-parallel ranks of their
         losses, which only the last pipeline stage has (the others add zero; TP ranks of one group agree). Every
         rank then sees the same value, so all stop together on a non-finite one."""
+        return self.loss_sum(local_loss) / (self.dims.dp_degree * self.dims.cp)
+
+    def loss_sum(self, local_loss: torch.Tensor) -> torch.Tensor:
+        """`local_loss` added up over the pipeline, data-parallel and context-parallel ranks, on every rank."""
         if self.meshes is None or self.meshes.loss.size() == 1:
             return local_loss
-        total = funcol.all_reduce(local_loss, reduceOp="sum", group=self.meshes.loss)
-        return total / (self.dims.dp_degree * self.dims.cp)
+        return funcol.all_reduce(local_loss, reduceOp="sum", group=self.meshes.loss)
 
     def clip_gradients(self) -> torch.Tensor:
         """Global gradient norm over every shard on every mesh and every pipeline stage, clipping to
@@ -371,6 +416,8 @@ class Trainer:
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step
+                    if self.should_validate():
+                        self.validate()
                     if profiler is not None:
                         profiler.step()
                     if snapshotter is not None:

@@ -1,0 +1,59 @@
+"""The validation loop: the mean loss over a held-out set, forward only, under the training layout.
+
+Every rank runs the same number of batches (the validation loader stops before the first incomplete global batch),
+so the one all-reduce at the end can never wait on a rank that ran out of data. Evaluation touches no random state,
+no optimizer state and no data position of the training stream, so training after it is exactly training without it.
+"""
+
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    """Mean cross entropy per token over every evaluated token of every rank."""
+    num_batches: int
+    """Batches each data-parallel rank evaluated."""
+    tokens: int
+    """Tokens evaluated over all data-parallel ranks."""
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        """exp(loss); inf once the loss is too large for a float (an untrained model is far from that)."""
+        return math.exp(self.loss) if self.loss < 709 else math.inf
+
+    def record(self, step: int) -> dict[str, float | int]:
+        """The metric record of this evaluation, logged at training step `step`."""
+        return {"step": step, "val_loss": self.loss, "val_perplexity": self.perplexity, "val_tokens": self.tokens,
+                "val_seconds": self.seconds}
+
+
+def evaluate(batches: Iterable[Batch], batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             global_sum: Callable[[torch.Tensor], torch.Tensor], num_loss_shares: int, tokens_per_batch: int,
+             device: torch.device) -> EvalResult:
+    """Mean loss over `batches`, this rank's share of each global validation batch.
+
+    `batch_loss(inputs, labels)` is this rank's mean token loss of one batch (zero on ranks whose loss another rank
+    computes, such as pipeline stages before the last); `global_sum` adds a tensor over the ranks that hold loss
+    shares, `num_loss_shares` of them (data x context parallel). Every batch has the same number of tokens, so the
+    mean of the batch means is the mean per token. `tokens_per_batch` counts one batch over all data-parallel ranks.
+    """
+    start = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    num_batches = 0
+    with torch.no_grad():
+        for inputs, labels in batches:
+            loss_sum += batch_loss(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            num_batches += 1
+    total = global_sum(loss_sum).item()
+    loss = total / (num_loss_shares * num_batches)
+    return EvalResult(loss=loss, num_batches=num_batches, tokens=num_batches * tokens_per_batch,
+                      seconds=time.perf_counter() - start)
