@@ -9,7 +9,7 @@ State (top-level keys of the DCP state dict):
   model         parameters by FQN, as sharded DTensors under FSDP/TP, so DCP reshards on load
   optimizer     optimizer state by parameter FQN (torch.distributed.checkpoint.state_dict)
   lr_scheduler  the schedule's state, pickled
-  train_state   step, tokens seen, data-parallel degree and world size, pickled
+  train_state   step, tokens seen, data-parallel degree, world size, spike window and skip count, pickled
   dataloader    dp_rank_<r>: each data-parallel rank's loader position, pickled
   rng           rank_<r>: each rank's torch (and CUDA) RNG state, pickled
 Weights-only checkpoints (seed checkpoints, --checkpoint.last_save_model_only exports) hold only `model`.
@@ -20,7 +20,7 @@ import re
 import shutil
 import warnings
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +61,18 @@ class CheckpointError(ConfigError):
 
 @dataclass
 class TrainState:
-    """What the loop needs to continue where it stopped."""
+    """What the loop needs to continue where it stopped. Saved as a pickled dict: fields added later need defaults,
+    so older checkpoints still load."""
 
     step: int = 0
     tokens_seen: int = 0
     dp_degree: int = 1
     world_size: int = 1
+    spike_losses: list[float] = field(default_factory=list)
+    """The spike detector's window (titan/train/anomalies.py), so a resumed run judges spikes as the uninterrupted
+    one would."""
+    num_skipped: int = 0
+    """Steps skipped or rolled back so far, counted against --training.max_skipped_steps."""
 
 
 def step_folder(root: Path, step: int) -> Path:
@@ -349,12 +355,29 @@ class Checkpointer:
             self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
         if "train_state" in state:
             saved = TrainState(**pickle.loads(state["train_state"]))
-            train_state.step, train_state.tokens_seen = saved.step, saved.tokens_seen
+            train_state = replace(saved, dp_degree=self.dp_degree, world_size=self.world_size)
             state.update(self.load_per_rank_state(folder, metadata, saved, exclude, fix))
         skipped = sorted(saved_parts & exclude)
         logger.info(f"Loaded {folder}: step {train_state.step}, {', '.join(sorted(state))} restored"
                     + (f"; not restored: {', '.join(skipped)}" if skipped else ""))
         return train_state
+
+    def restore_latest(self, before_step: int) -> TrainState | None:
+        """Roll back to the newest complete checkpoint of a step before `before_step` (once a background save in
+        flight has finished): its model, optimizer, schedule, RNG and train state, but not its data position, since
+        training goes on with the data after the step that made it roll back. None if there is none, or it holds
+        weights only (a seed)."""
+        self.wait()
+        if dist.is_initialized():
+            # Rank 0 renames the finished folder; every rank must see it before choosing what to load.
+            dist.barrier()
+        steps = [step for step in complete_steps(self.root) if step < before_step]
+        if not steps:
+            return None
+        folder = step_folder(self.root, steps[-1])
+        if "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
+            return None
+        return self.load_folder(folder, exclude={"dataloader"}, fix=RESUME_FIX)
 
     def load_per_rank_state(self, folder: Path, metadata: dict[str, Any], saved: TrainState,
                             exclude: set[str], fix: str) -> dict[str, Any]:

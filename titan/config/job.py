@@ -129,13 +129,14 @@ class Training:
     """What a non-finite loss or gradient norm does: stop the run (exit 3), or skip that step's update (no optimizer
     or LR-schedule step; the data moves on) and record it in <dump_folder>/anomalies.jsonl."""
     max_skipped_steps: Count = 10
-    """Stop the run (exit 3) once this many steps were skipped or rolled back, non-finite or spiking: by then the
-    problem is not one bad batch."""
+    """Steps that may be skipped or rolled back, non-finite or spiking, counted over resumes too; the next one stops
+    the run (exit 3): by then the problem is not one bad batch."""
     on_spike: Literal["log", "skip", "rollback"] = "log"
     """What a loss spike does: log it (and record it in <dump_folder>/anomalies.jsonl), skip that step's update, or
-    reload the last checkpoint and skip the batches between it and the spike (needs --checkpoint.enable)."""
+    reload the last checkpoint and skip the batches between it and the spike (needs --checkpoint.enable; before the
+    first checkpoint the step is skipped)."""
     spike_window: Count = 100
-    """Recent steps whose losses define the typical loss. Spikes are detected once this many steps were seen."""
+    """Recent applied steps whose losses define the typical loss. Spikes are detected once the window is full."""
     spike_threshold: PositiveFloat = 6.0
     """A step is a spike when its loss exceeds the median of the last spike_window losses by more than this many
     median absolute deviations (the deviation is floored at 1% of the median, so a flat loss never flags noise)."""

@@ -410,6 +410,14 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+def check_spike_rollback(cfg: JobConfig, world_size: int) -> str | None:
+    if cfg.training.on_spike == "rollback" and not cfg.checkpoint.enable:
+        return ("--training.on_spike rollback reloads the last checkpoint, but --checkpoint.enable is off, so there "
+                "is none to reload. Add --checkpoint.enable (and a --checkpoint.interval to roll back to), or use "
+                "--training.on_spike skip.")
+    return None
+
+
 def largest_divisor_at_most(limit: int, *sizes: int) -> int:
     """The largest degree up to `limit` that divides every one of `sizes` (a shape and the world size)."""
     return max(d for d in range(1, limit + 1) if all(size % d == 0 for size in sizes))
@@ -427,7 +435,7 @@ RULES: tuple[Rule, ...] = (
     check_dataset_path, check_dump_folder, check_memory_snapshot, check_degree_product, check_pipeline_split_points,
     check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware, check_mx_hardware, check_checkpoint,
+    check_float8_hardware, check_mx_hardware, check_checkpoint, check_spike_rollback,
 )
 
 

@@ -1,4 +1,5 @@
-"""Stop at the first non-finite loss or gradient norm, before the optimizer step can spread it."""
+"""Stop at a non-finite loss or gradient norm, before the optimizer step can spread it (titan/train/anomalies.py
+decides when: at the first one, or past --training.max_skipped_steps)."""
 
 import math
 
@@ -8,8 +9,9 @@ from titan.config.errors import EXIT_DIVERGED, KnownStop
 
 
 class NonFiniteLossError(KnownStop):
-    """The run stopped because the loss or gradient norm stopped being finite; exits with code 3. Every rank
-    sees the same global loss and norm, so every rank raises it at the same step."""
+    """The run stopped because the loss or gradient norm stopped being finite, or a spike came after
+    --training.max_skipped_steps skips; exits with code 3. Every rank sees the same global loss and norm, so every
+    rank raises it at the same step."""
 
     exit_code = EXIT_DIVERGED
     every_rank_stops = True
@@ -38,16 +40,24 @@ def stop_hints(converters: list[str], compile_enabled: bool, max_norm: float) ->
     return hints
 
 
-def check_finite(step: int, loss: float, grad_norm: float, last_finite_loss: float | None,
-                 model: nn.Module, hints: list[str]) -> None:
-    """Raise NonFiniteLossError naming the step, the value, the last finite loss and what to try."""
-    if math.isfinite(loss) and math.isfinite(grad_norm):
-        return
-    what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.4f})"
+def nonfinite_reason(loss: float, grad_norm: float) -> str | None:
+    """What is not finite, as messages say it ("loss is nan"); None when the loss and the norm both are."""
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    if not math.isfinite(grad_norm):
+        return f"gradient norm is {grad_norm} (loss {loss:.4f})"
+    return None
+
+
+def stop_error(step: int, what: str, last_finite_loss: float | None, model: nn.Module, hints: list[str],
+               skipped: str = "") -> NonFiniteLossError:
+    """The stop naming the step, what went wrong, the last finite loss, the first non-finite gradient, `skipped`
+    (a sentence on the steps skipped before, if any) and what to try."""
     previous = f"{last_finite_loss:.4f}" if last_finite_loss is not None else "none (this is the first step)"
     bad_grad = first_nonfinite_grad(model)
     where = f" The first non-finite gradient is in {bad_grad}." if bad_grad else ""
-    raise NonFiniteLossError(
-        f"Stopping: {what} at step {step}; the last finite loss was {previous}.{where} "
+    return NonFiniteLossError(
+        f"Stopping: {what} at step {step}; the last finite loss was {previous}.{where}{skipped} "
         f"No optimizer step or checkpoint was taken with this state. Try: {'; '.join(hints)}."
     )
+

@@ -45,7 +45,8 @@ from titan.quant.convert import apply_converters
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.train.evaluate import EvalResult, evaluate
 from titan.train.lr import build_lr_scheduler
-from titan.train.nan_guard import check_finite, stop_hints
+from titan.train.anomalies import Anomaly, AnomalyGuard
+from titan.train.nan_guard import stop_hints
 from titan.train.optim import build_optimizer
 
 
@@ -123,10 +124,11 @@ class Trainer:
 
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
         self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
-        self.hints = stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm)
+        self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, self.model,
+                                      stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
+                                      resumed.spike_losses, resumed.num_skipped)
         self.step = resumed.step
         self.tokens_seen = resumed.tokens_seen
-        self.last_finite_loss: float | None = None
         self.current_lr = cfg.optimizer.lr
 
     def plan_pipeline(self) -> StagePlan:
@@ -247,10 +249,11 @@ class Trainer:
         waited = time.perf_counter() - start
         return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True), waited
 
-    def train_step(self, data_iterator) -> tuple[float, float]:
-        """Forward and backward over the accumulation micro-batches, clip, check finite, step.
-        Returns (loss, grad_norm) after the optimizer step."""
+    def train_step(self, data_iterator) -> tuple[float, float, Anomaly | None]:
+        """Forward and backward over the accumulation micro-batches, clip, judge the step (titan/train/anomalies.py)
+        and step unless it is skipped. Returns (loss, grad_norm, the step's anomaly or None)."""
         self.optimizer.zero_grad()
+        data_position = self.dataloader.dataset.position()
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         for _ in range(self.grad_accumulation_steps):
@@ -265,15 +268,44 @@ class Trainer:
                     loss_sum += self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
         loss_value, norm_value = self.global_mean(loss_sum).item(), grad_norm.item()
-        check_finite(self.step, loss_value, norm_value, self.last_finite_loss, self.model, self.hints)
         self.current_lr = self.optimizer.param_groups[0]["lr"]
+        anomaly = self.anomalies.inspect(self.step, loss_value, norm_value, data_position)
+        if anomaly is None or anomaly.applied:
+            self.apply_update()
+        else:
+            # No optimizer or LR-schedule step; nothing after this step (a save, a probe) sees the dropped gradients.
+            self.optimizer.zero_grad()
+        self.meter.add_step(self.global_tokens_per_step / self.dims.world_size, data_wait)
+        return loss_value, norm_value, anomaly
+
+    def apply_update(self) -> None:
+        """The optimizer and LR-schedule step of the gradients just computed."""
         self.optimizer.step()
         if self.float8_all_gather_enabled and self.cfg.float8.precompute_float8_dynamic_scale_for_fsdp:
             precompute_float8_scales(self.model)
         self.lr_scheduler.step()
-        self.last_finite_loss = loss_value
-        self.meter.add_step(self.global_tokens_per_step / self.dims.world_size, data_wait)
-        return loss_value, norm_value
+
+    def handle_anomaly(self, anomaly: Anomaly) -> bool:
+        """Carry out a flagged step's --training.on_spike rollback (a skip when there is no checkpoint yet), then
+        log and record the step. Returns whether training went back to a checkpoint's step."""
+        rolled_back = anomaly.action == "rollback" and self.roll_back(anomaly)
+        self.anomalies.record(anomaly)
+        return rolled_back
+
+    def roll_back(self, anomaly: Anomaly) -> bool:
+        """Reload the last complete checkpoint, keeping the data iterator where it is: the batches of the steps
+        undone (the spike's included) are skipped, and training goes on from the checkpoint's step with the data
+        after the spike (OPT, PaLM). The skip count and the anomaly record are kept; the spike window is the
+        checkpoint's. Without a checkpoint the step is skipped instead."""
+        restored = self.checkpointer.restore_latest(before_step=anomaly.step)
+        if restored is None:
+            anomaly.action = "skip"
+            return False
+        anomaly.checkpoint_step = restored.step
+        anomaly.batches_skipped = (anomaly.step - restored.step) * self.grad_accumulation_steps
+        self.step, self.tokens_seen = restored.step, restored.tokens_seen
+        self.anomalies.restore_window(restored.spike_losses)
+        return True
 
     def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch through the whole model: its loss (divided by the accumulation steps), detached."""
@@ -389,7 +421,8 @@ class Trainer:
 
     def train_state(self) -> TrainState:
         return TrainState(step=self.step, tokens_seen=self.tokens_seen, dp_degree=self.dims.dp_degree,
-                          world_size=self.dims.world_size)
+                          world_size=self.dims.world_size, spike_losses=self.anomalies.window,
+                          num_skipped=self.anomalies.num_skipped)
 
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
@@ -409,8 +442,11 @@ class Trainer:
             try:
                 while self.step < total:
                     self.step += 1
-                    loss, grad_norm = self.train_step(data_iterator)
+                    loss, grad_norm, anomaly = self.train_step(data_iterator)
                     self.tokens_seen += self.global_tokens_per_step
+                    if anomaly is not None and self.handle_anomaly(anomaly):
+                        last_logged = self.step  # rolled back: the steps after the checkpoint's run again
+                        continue
                     if self.step == 1:
                         set_collective_timeout(self.meshes, self.cfg.comm.train_timeout_seconds)
                     if self.should_log():

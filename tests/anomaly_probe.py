@@ -1,0 +1,42 @@
+"""train.py whose loss is NaN at chosen steps, for the anomaly tests: the same entry point and exit codes, run by
+titan.launch like run_train.sh runs train.py.
+
+    NAN_STEPS=3,8 python -m titan.launch --standalone --nproc_per_node 2 tests/anomaly_probe.py [titan flags]
+
+Every rank multiplies its loss by NaN at the steps listed in NAN_STEPS (comma-separated), as a diverging run
+would make it; each time the loop reaches such a step, also after a rollback.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titan.config.check import load_job_config  # noqa: E402
+from titan.exits import run_main  # noqa: E402
+from titan.metrics.log import init_logger  # noqa: E402
+from titan.parallel.dims import destroy_distributed  # noqa: E402
+from titan.train.trainer import Trainer  # noqa: E402
+
+
+def train(argv: list[str]) -> None:
+    init_logger()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = Trainer(load_job_config(argv, world_size), world_size)
+    nan_steps = {int(step) for step in os.environ["NAN_STEPS"].split(",")}
+    real_loss = trainer.loss_fn
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        loss = real_loss(logits, labels, vocab_size)
+        return loss * float("nan") if trainer.step in nan_steps else loss
+
+    trainer.loss_fn = loss_fn
+    trainer.run()
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(lambda: train(sys.argv[1:]),
+                      on_exit=lambda ranks_agree: destroy_distributed(wait_for_peers=ranks_agree)))
