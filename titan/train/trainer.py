@@ -45,6 +45,7 @@ from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_s
 from titan.train.lr import build_lr_scheduler
 from titan.train.nan_guard import check_finite, stop_hints
 from titan.train.optim import build_optimizer
+from titan.train.preemption import Stopper
 
 
 def set_seed(seed: int, deterministic: bool) -> None:
@@ -76,6 +77,8 @@ class Trainer:
         self.rank = current_rank()
         self.device = build_device()
         self.dims = resolve_dims(cfg.parallelism, world_size)
+        self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, Path(cfg.job.dump_folder),
+                               self.device, world_size)
         init_distributed(cfg.comm, self.device, world_size)
         self.meshes = build_meshes(self.dims, self.device)
         set_collective_timeout(self.meshes, cfg.comm.init_timeout_seconds)
@@ -348,7 +351,8 @@ class Trainer:
 
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
-        --checkpoint.interval (and at the last step)."""
+        --checkpoint.interval (and at the last step). A signal or --job.time_limit stops every rank at a step
+        boundary (after saving: exit code 4), and a hang ends the run with code 5 (titan/train/preemption.py)."""
         if self.rank == 0:
             write_config(self.cfg, self.dump_folder)
         if self.cfg.checkpoint.create_seed_checkpoint:
@@ -360,14 +364,15 @@ class Trainer:
         data_iterator = iter(self.dataloader)
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
         last_logged = self.step
-        with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler:
+        with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler, \
+                self.stopper.watching(self.meshes):
             try:
                 while self.step < total:
                     self.step += 1
+                    self.stopper.start_step(self.step)
                     loss, grad_norm = self.train_step(data_iterator)
                     self.tokens_seen += self.global_tokens_per_step
-                    if self.step == 1:
-                        set_collective_timeout(self.meshes, self.cfg.comm.train_timeout_seconds)
+                    stop = self.stopper.end_step(self.step, saving=self.checkpointer.should_save(self.step, total))
                     if self.should_log():
                         self.log_metrics(loss, grad_norm, self.step - last_logged)
                         last_logged = self.step
@@ -378,6 +383,8 @@ class Trainer:
                     self.checkpointer.poll()
                     if self.checkpointer.should_save(self.step, total):
                         self.checkpointer.save(self.train_state(), last_step=total)
+                    if stop is not None:
+                        self.stopper.stop(stop, self.checkpointer, self.train_state())
             finally:
                 self.checkpointer.close()
                 for sink in self.sinks:
@@ -387,5 +394,6 @@ class Trainer:
     def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
         record.update(self.meter.window(self.step, steps_in_window))
+        record.update(self.stopper.step_times)
         for sink in self.sinks:
             sink.write(record)
