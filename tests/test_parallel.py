@@ -9,6 +9,7 @@ from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.train.trainer import Trainer
+from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 from torchrun import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,11 +208,12 @@ def test_mixed_precision_reduce_bfloat16_rounds_gradients(fsdp2_always_bf16_redu
 
 
 def test_comm_timeouts_reach_every_process_group(fsdp2_tp2_default: dict) -> None:
-    """--comm.init_timeout_seconds holds for setup and the first step, --comm.train_timeout_seconds after it, on the
-    default group and on every mesh group that FSDP, TP and the loss average use."""
+    """--comm.init_timeout_seconds holds for setup and the first step, --comm.train_timeout_seconds (plus the margin
+    that lets the hang watchdog fire first) after it, on the default group and on every mesh group that FSDP, TP and
+    the loss average use."""
     groups = ["default", "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "fsdp", "loss"]
     assert fsdp2_tp2_default["setup_timeouts"] == dict.fromkeys(groups, 123)
-    assert fsdp2_tp2_default["train_timeouts"] == dict.fromkeys(groups, 45)
+    assert fsdp2_tp2_default["train_timeouts"] == dict.fromkeys(groups, 45 + COLLECTIVE_TIMEOUT_MARGIN)
 
 def run_losses(tmp_path: Path, *flags: str) -> list[float]:
     trainer = Trainer(load_job_config([*BASE, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",

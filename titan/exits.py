@@ -1,12 +1,14 @@
 """How a Titan process ends: the one handler that train.py, the launcher and the scripts run their work under.
 
 Exit codes: 0 finished; 2 a user mistake (ConfigError: config, paths, data, checkpoints); 3 the run diverged
-(NonFiniteLossError). Known stops print their message and no traceback. A rank that stops tells its peers
+(NonFiniteLossError); 4 stopped early by a signal or --job.time_limit, after saving (titan/train/preemption.py);
+5 hung (titan/train/watchdog.py). Known stops print their message and no traceback. A rank that stops tells its peers
 through the process group's store first: a peer whose next collective then fails (gloo: "Connection closed by
 peer") prints one line naming that rank and exits with the same code, instead of a traceback that buries the
 stopped rank's message.
 """
 
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -15,6 +17,10 @@ import torch.distributed as dist
 from titan.config.errors import KnownStop
 from titan.metrics.log import logger
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""What a scheduler sends before it kills a job (Slurm: SIGTERM, or SIGUSR1 with --signal; Kubernetes: SIGTERM), and
+Ctrl-C. A rank that gets one finishes its step, saves and exits with code 4; the launcher passes them on to its
+ranks."""
 STOP_KEY = "titan/first_stop"
 """Store key holding "<rank> <exit code>" of the first rank that stopped with a known error."""
 PEER_STOP_WAIT = timedelta(seconds=10)

@@ -4,11 +4,22 @@ It checks its own environment and the Titan flags once, in this process, before 
 prints one message and exits 2 instead of failing in every rank. It then runs torchrun itself
 (torch.distributed.run) and passes a failed rank's exit code through, without torchrun's own traceback: the rank
 has already said what went wrong. `--help` shows torchrun's flags, then Titan's fields.
+
+Stop signals (SIGTERM, SIGINT, SIGUSR1: titan.exits.STOP_SIGNALS) are passed on to every rank, which saves and
+exits with code 4, and the launcher keeps waiting for the ranks and reports their code. torchrun on its own would
+pass on SIGTERM and SIGINT (not SIGUSR1, which would kill it), SIGKILL the ranks still running 30 s later
+(--shutdown_timeout), and exit 1 with a traceback. Here only the scheduler's own grace period bounds the save.
 """
 
+import contextlib
 import logging
+import os
+import signal
 import sys
 from argparse import Namespace
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, get_args_parser, run
@@ -16,7 +27,7 @@ from torch.distributed.run import determine_local_world_size, get_args_parser, r
 from titan.config.check import load_job_config
 from titan.config.errors import KNOWN_EXIT_CODES, ConfigError
 from titan.config.load import parse_args as parse_titan_args
-from titan.exits import run_main
+from titan.exits import STOP_SIGNALS, run_main
 from titan.metrics.log import init_logger, logger, logging_ranks
 
 HELP_FLAGS = ("-h", "--help")
@@ -67,6 +78,45 @@ def first_explained_failure(error: ChildFailedError) -> tuple[int, int]:
     return rank, exit_code(failure.exitcode)
 
 
+def child_pids() -> list[int]:
+    """The processes this one started, the ranks, from /proc (Linux, where schedulers send stop signals)."""
+    me = os.getpid()
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then ppid
+        except OSError:  # exited while we looked
+            continue
+        if parent == me:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def forward_to_ranks(signum: int, frame: FrameType | None) -> None:
+    """Pass a stop signal on to every rank: each saves at its next step boundary and exits with code 4."""
+    logger.warning(f"The launcher received {signal.Signals(signum).name} and passed it on to its ranks.")
+    for pid in child_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+@contextlib.contextmanager
+def forwarding_stop_signals(args: Namespace) -> Iterator[None]:
+    """While the ranks run, the launcher passes STOP_SIGNALS on instead of torchrun (on Linux, which lists its
+    children in /proc; elsewhere torchrun's own handling stays)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    names = {sig.name for sig in STOP_SIGNALS}
+    args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",") if name.strip() not in names)
+    previous = {signum: signal.signal(signum, forward_to_ranks) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def launch(argv: list[str]) -> int:
     init_logger()
     parser = get_args_parser()
@@ -83,7 +133,8 @@ def launch(argv: list[str]) -> int:
     # torchrun logs each failed rank at ERROR level; the rank's own message is the useful one.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        run(args)
+        with forwarding_stop_signals(args):
+            run(args)
     except ChildFailedError as error:
         rank, code = first_explained_failure(error)
         logger.error(f"Rank {rank} exited with code {code}; its messages above say why.")

@@ -231,8 +231,9 @@ class Checkpointer:
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
-    def save(self, train_state: TrainState, last_step: int) -> None:
-        """Write the checkpoint of `train_state.step`: blocking, or blocking only for the copy to host memory."""
+    def save(self, train_state: TrainState, last_step: int, blocking: bool = False) -> None:
+        """Write the checkpoint of `train_state.step`: blocking, or blocking only for the copy to host memory.
+        `blocking` writes the files before returning whatever --checkpoint.async_mode says (a run stopping early)."""
         self.wait()  # one save in flight at a time, so files and renames never interleave
         step = train_state.step
         model_only = step == last_step and self.cfg.last_save_model_only
@@ -240,7 +241,7 @@ class Checkpointer:
         partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
         writer = FileSystemWriter(str(partial))
         kind = "weights-only export" if model_only else "checkpoint"
-        if self.cfg.async_mode == "disabled":
+        if blocking or self.cfg.async_mode == "disabled":
             dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
             self.finish(step)
             logger.info(f"Saved {kind} of step {step} to {step_folder(self.root, step)}")

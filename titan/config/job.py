@@ -36,9 +36,9 @@ class Job:
     print_config: bool = False
     """Print the resolved config (as TOML) at startup. It is always written to <dump_folder>/config.toml."""
     time_limit: str | None = None
-    """Wall-clock budget of this run, e.g. 3h50m, 90m or 45s (set it a little under the scheduler's limit). When the
-    next step would cross it (from the measured step time and the last save's duration), every rank saves a
-    checkpoint and the run exits with code 4; rerunning the same command resumes. None: no limit."""
+    """Wall-clock budget of this run from the trainer's start, e.g. 3h50m, 90m or 45s (set it a little under the
+    scheduler's limit). When the next step would cross it (from the measured step time and the last save's duration),
+    every rank saves a checkpoint and the run exits with code 4; rerunning the same command resumes. None: no limit."""
 
 
 @dataclass
@@ -194,8 +194,9 @@ class Comm:
     init_timeout_seconds: Count = 300
     """Timeout for process-group setup and the first collectives."""
     train_timeout_seconds: Count = 100
-    """Longest a training step (or evaluation) may take once training has started. Past it, every rank writes its
-    Python stack to <dump_folder>/hang/rank_<r>.txt and the run exits with code 5, naming the slowest rank."""
+    """Longest a training step, or the logging, checkpoint save or evaluation after it, may take once the first step is
+    done. Past it, every rank writes its Python stacks to <dump_folder>/hang/rank_<r>.txt and the run exits with code
+    5, naming the slowest rank. Collectives time out 30 s later than this."""
 
 
 @dataclass

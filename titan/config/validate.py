@@ -163,6 +163,28 @@ def check_dump_folder(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
+DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+"""Hours, minutes and seconds, each optional but in this order: 3h50m, 90m, 45s, 1h."""
+
+
+def parse_duration(text: str) -> int | None:
+    """Seconds in a duration spelled as DURATION (3h50m, 90m, 45s, 1h); None if it is spelled otherwise or is 0.
+    The one parser of --job.time_limit: the trainer uses the seconds, the config keeps the text."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    return (hours * 60 + minutes) * 60 + seconds or None
+
+
+def check_time_limit(cfg: JobConfig, world_size: int) -> str | None:
+    limit = cfg.job.time_limit
+    if limit is None or parse_duration(limit) is not None:
+        return None
+    return (f"--job.time_limit {limit!r} is not a duration. Write hours, minutes and seconds, larger units first, "
+            f"as in 3h50m, 90m, 45s or 1h (a little under the scheduler's limit).")
+
+
 def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
     if cfg.profiling.enable_memory_snapshot and not torch.cuda.is_available():
         return ("--profiling.enable_memory_snapshot records CUDA allocator history and needs a GPU; none is "
@@ -435,7 +457,7 @@ RULES: tuple[Rule, ...] = (
     check_dataset_path, check_dump_folder, check_memory_snapshot, check_degree_product, check_pipeline_split_points,
     check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware, check_mx_hardware, check_checkpoint, check_spike_rollback,
+    check_float8_hardware, check_mx_hardware, check_checkpoint, check_spike_rollback, check_time_limit,
 )
 
 

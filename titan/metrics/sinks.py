@@ -10,9 +10,12 @@ from titan.metrics.log import logger
 
 Record = dict[str, float | int | None]
 
-# Every training record has these keys, in this order; a None value means "not measurable here" (MFU on CPU).
+# Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU). Rates are over
+# the steps since the previous record; step_time_min_s/max_s are the logged step's time on the fastest and the
+# slowest rank (a straggler shows as a wide range).
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
-               "data_wait_pct", "eta_s")
+               "data_wait_pct", "eta_s",
+               "step_time_min_s", "step_time_max_s")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
 
@@ -55,6 +58,8 @@ class ConsoleSink:
         if record["mem_reserved_gib"] is not None:
             parts.append(("mem_gib", f"reserved {record['mem_reserved_gib']:.2f}GiB"))
         parts.append(("data_wait_pct", f"data {record['data_wait_pct']:.1f}%"))
+        fastest, slowest = f"{record['step_time_min_s']:.2f}", f"{record['step_time_max_s']:.2f}"
+        parts.append(("step_time_max_s", f"step {fastest}s" if fastest == slowest else f"step {fastest}-{slowest}s"))
         parts.append(("eta_s", f"eta {format_duration(record['eta_s'])}"))
         logger.info("  ".join(self.paint(key, text) for key, text in parts))
 

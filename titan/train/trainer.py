@@ -48,6 +48,7 @@ from titan.train.lr import build_lr_scheduler
 from titan.train.anomalies import Anomaly, AnomalyGuard
 from titan.train.nan_guard import stop_hints
 from titan.train.optim import build_optimizer
+from titan.train.preemption import Stopper
 
 
 def set_seed(seed: int, deterministic: bool) -> None:
@@ -79,6 +80,8 @@ class Trainer:
         self.rank = current_rank()
         self.device = build_device()
         self.dims = resolve_dims(cfg.parallelism, world_size)
+        self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, Path(cfg.job.dump_folder),
+                               self.device, world_size)
         init_distributed(cfg.comm, self.device, world_size)
         self.meshes = build_meshes(self.dims, self.device)
         set_collective_timeout(self.meshes, cfg.comm.init_timeout_seconds)
@@ -426,7 +429,8 @@ class Trainer:
 
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
-        --checkpoint.interval (and at the last step)."""
+        --checkpoint.interval (and at the last step). A signal or --job.time_limit stops every rank at a step
+        boundary (after saving: exit code 4), and a hang ends the run with code 5 (titan/train/preemption.py)."""
         if self.rank == 0:
             write_config(self.cfg, self.dump_folder)
         if self.cfg.checkpoint.create_seed_checkpoint:
@@ -438,37 +442,48 @@ class Trainer:
         data_iterator = iter(self.dataloader)
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
         last_logged = self.step
-        with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler:
+        with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler, \
+                self.stopper.watching(self.meshes):
             try:
                 while self.step < total:
                     self.step += 1
+                    self.stopper.start_step(self.step)
                     loss, grad_norm, anomaly = self.train_step(data_iterator)
                     self.tokens_seen += self.global_tokens_per_step
-                    if anomaly is not None and self.handle_anomaly(anomaly):
-                        last_logged = self.step  # rolled back: the steps after the checkpoint's run again
-                        continue
-                    if self.step == 1:
-                        set_collective_timeout(self.meshes, self.cfg.comm.train_timeout_seconds)
-                    if self.should_log():
-                        self.log_metrics(loss, grad_norm, self.step - last_logged)
-                        last_logged = self.step
-                    if self.should_validate():
-                        self.validate()
-                    if profiler is not None:
-                        profiler.step()
-                    if snapshotter is not None:
-                        snapshotter.step(self.step)
-                    self.checkpointer.poll()
-                    if self.checkpointer.should_save(self.step, total):
-                        self.checkpointer.save(self.train_state(), last_step=total)
+                    rolled_back = anomaly is not None and self.handle_anomaly(anomaly)
+                    saving = not rolled_back and self.checkpointer.should_save(self.step, total)
+                    stop = self.stopper.end_step(self.step, saving=saving)
+                    if rolled_back:
+                        last_logged = self.step  # the steps after the checkpoint's run again
+                    else:
+                        if self.should_log():
+                            self.log_metrics(loss, grad_norm, self.step - last_logged)
+                            last_logged = self.step
+                        self.after_step(profiler, snapshotter)
+                    if stop is not None:
+                        self.stopper.stop(stop, self.checkpointer, self.train_state())
             finally:
                 self.checkpointer.close()
                 for sink in self.sinks:
                     sink.close()
         logger.info(f"Training finished after {self.step} steps.")
 
+    def after_step(self, profiler: Any, snapshotter: Any) -> None:
+        """Evaluate, profile and save as this step calls for."""
+        if self.should_validate():
+            self.validate()
+        if profiler is not None:
+            profiler.step()
+        if snapshotter is not None:
+            snapshotter.step(self.step)
+        self.checkpointer.poll()
+        total = self.cfg.training.steps
+        if self.checkpointer.should_save(self.step, total):
+            self.checkpointer.save(self.train_state(), last_step=total)
+
     def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
         record.update(self.meter.window(self.step, steps_in_window))
+        record.update(self.stopper.step_times)
         for sink in self.sinks:
             sink.write(record)

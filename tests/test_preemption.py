@@ -1,0 +1,188 @@
+"""Stopping early and hangs, on real processes and the real loop: a stop signal on any rank or --job.time_limit saves
+at a step boundary and exits 4, and rerunning resumes bit for bit; a stalled rank ends the run with code 5, every
+rank's stacks in <dump_folder>/hang/ and the slow rank named."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from debug_training import DEBUG_TOML
+from titan.checkpoint.dcp import complete_steps
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.config.validate import parse_duration
+from titan.exits import run_main
+from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
+from titan.train.trainer import Trainer
+from train_script import ROOT, losses_by_step
+
+STEPS = 20
+SMALL = ["--job.config_file", DEBUG_TOML, "--training.seq_len", "32", "--training.local_batch_size", "2",
+         "--metrics.log_freq", "1", "--training.steps", str(STEPS)]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+
+
+def build_trainer(folder: Path, *flags: str) -> Trainer:
+    return Trainer(load_job_config([*SMALL, "--job.dump_folder", str(folder), *flags], world_size=1), world_size=1)
+
+
+def act_after_step(trainer: Trainer, step: int, action, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `action()` at the end of `step` (every step for step 0), inside the real loop."""
+    train_step = trainer.train_step
+
+    def train_step_then_act(data_iterator) -> tuple[float, float]:
+        result = train_step(data_iterator)
+        if step in (0, trainer.step):
+            action()
+        return result
+
+    monkeypatch.setattr(trainer, "train_step", train_step_then_act)
+
+
+def launch(nprocs: int, action: str, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    """tests/stop_harness.py (train.py doing `action` at one step on one rank) under titan.launch, the launcher
+    run_train.sh runs."""
+    command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
+               str(ROOT / "tests" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "TITAN_TEST_ACTION": action}
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Losses of the straight 20-step single-process run."""
+    folder = tmp_path_factory.mktemp("straight")
+    build_trainer(folder).run()
+    return losses_by_step(folder)
+
+
+def test_time_limit_spellings() -> None:
+    assert [parse_duration(text) for text in ("3h50m", "90m", "45s", "1h", "1h0m5s")] == [13800, 5400, 45, 3600, 3605]
+    for bad in ("3 hours", "1.5h", "50m3h", "90", "0s", ""):
+        with pytest.raises(ConfigError, match=f"--job.time_limit '{bad}' is not a duration.*3h50m, 90m, 45s"):
+            load_job_config(["--job.time_limit", bad], world_size=1)
+
+
+def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: Path,
+                                                                     one_process_losses: dict[int, float]) -> None:
+    """SIGTERM to the launcher (as Slurm or Kubernetes send it) at step 13: it passes the signal on, the rank
+    finishes step 13, saves it and exits 4, and so does the launcher. Rerunning resumes with the straight run's
+    losses, bit for bit."""
+    flags = [*CHECKPOINT, "--checkpoint.async_mode", "async"]  # the stop's save blocks all the same
+    result = launch(1, "13:0:launcher", tmp_path, *flags)
+    output = result.stdout + result.stderr
+    assert result.returncode == 4, output
+    assert "The launcher received SIGTERM and passed it on to its ranks." in output
+    assert "Rank 0 received SIGTERM: finishing step 13, then saving a checkpoint and exiting." in output
+    assert (f"Stopped at step 13: rank 0 received SIGTERM. Its checkpoint is {tmp_path}/checkpoint/step-13; rerun "
+            f"the same command to resume.") in output
+    assert "Traceback" not in output
+    assert complete_steps(tmp_path / "checkpoint") == [5, 10, 13]
+    build_trainer(tmp_path, *flags).run()  # the same flags, in this process
+    assert losses_by_step(tmp_path) == one_process_losses
+
+
+def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
+    """FSDP=2: only rank 1 gets SIGTERM, at step 13. Both ranks stop after step 13, with its checkpoint, exit code
+    4 through the launcher; the same command again finishes the run with a straight run's losses, bit for bit."""
+    straight = launch(2, "0:0:none", tmp_path / "straight", *CHECKPOINT, *FSDP2)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+    folder = tmp_path / "stopped"
+    stopped = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)
+    assert stopped.returncode == 4, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "[rank1] WARNING Rank 1 received SIGTERM: finishing step 13" in stopped.stdout
+    for rank in (0, 1):
+        assert f"[rank{rank}] ERROR Stopped at step 13: rank 1 received SIGTERM." in stopped.stdout
+    assert complete_steps(folder / "checkpoint") == [5, 10, 13]
+    rerun = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after step 13, so it sends nothing
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
+
+
+def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          titan_records: list[logging.LogRecord]) -> None:
+    """Steps of at least 0.2s against --job.time_limit 1s: the run stops after some step k, by step 5 at the latest
+    (1s has passed then), with exit code 4 and a checkpoint of step k; a rerun without the limit goes on from k."""
+    flags = ["--training.steps", "6", *CHECKPOINT]
+    trainer = build_trainer(tmp_path, *flags, "--job.time_limit", "1s")
+    act_after_step(trainer, 0, lambda: time.sleep(0.2), monkeypatch)
+    assert run_main(trainer.run) == 4
+    message = titan_records[-1].getMessage()
+    assert "--job.time_limit 1s leaves too little time for another step" in message, message
+    stopped = complete_steps(tmp_path / "checkpoint")[-1]
+    assert stopped <= 5 and message.startswith(f"Stopped at step {stopped}:")
+    assert f"Its checkpoint is {tmp_path}/checkpoint/step-{stopped}; rerun the same command to resume." in message
+    build_trainer(tmp_path, *flags).run()
+    loaded = f"Loaded {tmp_path}/checkpoint/step-{stopped}: step {stopped},"
+    assert any(record.getMessage().startswith(loaded) for record in titan_records)
+    assert sorted(losses_by_step(tmp_path)) == list(range(1, 7))
+
+
+def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         titan_records: list[logging.LogRecord]) -> None:
+    """Ctrl-C (SIGINT) without --checkpoint.enable: the same clean stop, exit code 4, and the message says so."""
+    trainer = build_trainer(tmp_path, "--training.steps", "4")
+    act_after_step(trainer, 2, lambda: os.kill(os.getpid(), signal.SIGINT), monkeypatch)
+    assert run_main(trainer.run) == 4
+    messages = [record.getMessage() for record in titan_records]
+    assert any("Rank 0 received SIGINT: finishing step 2, then exiting (checkpoints are off)." in message
+               for message in messages)
+    assert messages[-1].startswith("Stopped at step 2: rank 0 received SIGINT. No state was saved, since "
+                                   "--checkpoint.enable is off")
+    assert not (tmp_path / "checkpoint").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+
+
+def test_the_same_signal_again_exits_at_once() -> None:
+    """A repeat within REPEAT_AFTER_SECONDS is the same signal delivered twice and changes nothing; a later one
+    restores the previous handler and raises the signal again, which now reaches that handler."""
+    received: list[int] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: received.append(signum))
+    flag = SignalFlag(rank=0, plan=lambda: "finishing step 1, then saving a checkpoint and exiting")
+    try:
+        flag.install()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.signum == signal.SIGUSR1 and received == []
+        time.sleep(REPEAT_AFTER_SECONDS)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert received == [signal.SIGUSR1]
+    finally:
+        flag.restore()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_stalled_rank_ends_the_run_with_its_stacks_and_name(tmp_path: Path) -> None:
+    """Rank 1 stalls after step 2 under --comm.train_timeout_seconds 5: rank 0 waits for it at the step boundary.
+    Both watchdogs write their stacks, name rank 1 as the slowest, and the run exits 5 without a gloo timeout."""
+    result = launch(2, "2:1:stall", tmp_path, *FSDP2, "--comm.train_timeout_seconds", "5")
+    output = result.stdout + result.stderr
+    assert result.returncode == 5, output[-4000:]
+    stacks = {rank: (tmp_path / "hang" / f"rank_{rank}.txt").read_text() for rank in (0, 1)}
+    assert "in stall_after_step" in stacks[1] and "in stall_after_step" not in stacks[0]
+    assert "in end_step" in stacks[0]  # waiting for rank 1 in the step boundary's all-reduce
+    for rank in (0, 1):
+        assert (f"[rank{rank}] ERROR Rank {rank}: the run made no progress for 5s in step 2 "
+                f"(--comm.train_timeout_seconds 5)") in output
+    assert "The slowest is rank 1, which last completed step 1" in output
+    assert "Traceback" not in output
+
+
+def test_a_single_process_that_hangs_writes_its_stacks_and_exits_5(tmp_path: Path) -> None:
+    """One process, no peers to ask: the watchdog still writes the stacks and ends the process with code 5."""
+    script = (f"import time; from pathlib import Path; from titan.train.watchdog import Watchdog\n"
+              f"watchdog = Watchdog(1, Path({str(tmp_path)!r}), rank=0, world_size=1)\n"
+              f"watchdog.step_ended(7)\n"
+              f"def stuck_after_step_7(): time.sleep(60)\n"
+              f"stuck_after_step_7()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 5, result.stdout + result.stderr
+    assert "in stuck_after_step_7" in (tmp_path / "hang" / "rank_0.txt").read_text()
