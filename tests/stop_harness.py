@@ -49,7 +49,7 @@ def install(step: int, rank: int, action: str) -> None:
     """Wrap Trainer.train_step so that rank `rank` does `action` right after step `step`."""
     train_step = Trainer.train_step
 
-    def train_step_then_act(self: Trainer, data_iterator) -> tuple[float, float]:
+    def train_step_then_act(self: Trainer, data_iterator) -> tuple:
         result = train_step(self, data_iterator)
         if self.step == step and current_rank() == rank:
             act(self, action)

@@ -37,7 +37,7 @@ def act_after_step(trainer: Trainer, step: int, action, monkeypatch: pytest.Monk
     """Run `action()` at the end of `step` (every step for step 0), inside the real loop."""
     train_step = trainer.train_step
 
-    def train_step_then_act(data_iterator) -> tuple[float, float]:
+    def train_step_then_act(data_iterator) -> tuple:
         result = train_step(data_iterator)
         if step in (0, trainer.step):
             action()
