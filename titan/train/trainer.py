@@ -115,8 +115,7 @@ class Trainer:
         dp_rank, dp_degree = data_parallel_rank(self.meshes)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                         self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree,
-                                         model_fqns)
+                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, model_fqns)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
