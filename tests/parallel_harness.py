@@ -1,17 +1,15 @@
 """Run a few Titan train steps under torchrun and save the losses and final full weights, for parity tests.
 
-    torchrun --nproc_per_node 2 tests/parallel_harness.py OUT.pt DATA_SHARDS [titan flags]
+    torchrun --nproc_per_node 2 tests/parallel_harness.py OUT.pt [titan flags]
 
-The whole pipeline is Titan's own (parallelize, init, loss, clipping, optimizer); only the batches differ
-for a reference run: with DATA_SHARDS = D > 1 on one process, each step reads the batches of data-parallel
-ranks 0..D-1 and concatenates them, so it sees exactly the global batch that D data-parallel ranks see.
-Under FSDP it also saves what one more forward put on the wire: the bytes each rank sent into all-gathers.
+The whole pipeline is Titan's own (data, parallelize, init, loss, clipping, optimizer). A reference run for D
+data-parallel ranks of batch B is one process of batch B x D: the data order is global, so it trains on exactly
+the global batches the D ranks see. Under FSDP it also saves what one more forward put on the wire: the bytes
+each rank sent into all-gathers.
 """
 
-import dataclasses
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,21 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
-from titan.data.loader import build_dataloader  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
-
-
-def concatenated_shards(trainer: Trainer, num_shards: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches of every data-parallel shard, concatenated along the batch."""
-    per_shard = trainer.cfg.training.local_batch_size // num_shards
-    shard_cfg = dataclasses.replace(trainer.cfg.training, local_batch_size=per_shard)
-    iterators = [iter(build_dataloader(trainer.tokenizer, shard_cfg, rank, num_shards)) for rank in range(num_shards)]
-    while True:
-        batches = [next(it) for it in iterators]
-        yield torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
 
 
 class AllGatherBytes(TorchDispatchMode):
@@ -68,11 +55,11 @@ def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
 
 
 def main() -> None:
-    out, num_shards, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    out, flags = sys.argv[1], sys.argv[2:]
     init_logger()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(load_job_config(flags, world_size), world_size)
-    data = concatenated_shards(trainer, num_shards) if num_shards > 1 else iter(trainer.dataloader)
+    data = iter(trainer.dataloader)
     losses = []
     for _ in range(trainer.cfg.training.steps):
         trainer.step += 1

@@ -16,7 +16,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from debug_training import DEBUG_TOML
-from parallel_harness import concatenated_shards
 from titan.checkpoint.dcp import read_model_weights
 from titan.config.check import load_job_config
 from titan.train.trainer import Trainer
@@ -167,13 +166,14 @@ def fsdp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_path: Path) -> float:
-    """The loss of `weights` on the first global batch that a run with `dp_degree` data-parallel ranks reads (each
-    rank from the start of its shard), computed on one process with a plain, unsharded model."""
+    """The loss of `weights` on the first global batch that a run with `dp_degree` data-parallel ranks reads,
+    computed on one process (whose batch of LOCAL_BATCH_SIZE x dp_degree is that global batch) with a plain,
+    unsharded model."""
     argv = ["--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(tmp_path),
             "--training.local_batch_size", str(LOCAL_BATCH_SIZE * dp_degree)]
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     trainer.model.load_state_dict(weights)
-    inputs, labels = next(concatenated_shards(trainer, dp_degree))
+    inputs, labels = next(iter(trainer.dataloader))
     with torch.no_grad():
         return trainer.loss_fn(trainer.model(inputs), labels, trainer.model_args.vocab_size).item()
 
@@ -198,7 +198,7 @@ def test_resharded_load(tmp_path: Path, fsdp2_checkpoint: Path, nprocs: int, dp_
     assert restored and "model" in restored.group(1).split(", "), result.stdout
     assert "Training finished after 5 steps" in result.stdout
     saved = read_model_weights(folder / "checkpoint" / "step-4")
-    # the data restarts (dataloader not loaded): step 5 reads each shard's first batch
+    # the data restarts (dataloader not loaded): step 5 reads the first global batch
     want = loss_on_first_batch(saved, dp_degree, tmp_path / "reference")
     assert losses_by_step(folder)[5] == pytest.approx(want, rel=1e-5)
     continued = read_model_weights(folder / "checkpoint" / "step-5")

@@ -245,3 +245,88 @@ def test_written_config_reads_back_identically(tmp_path: Path) -> None:
     again = load_toml(path)
     again.job.config_file = cfg.job.config_file
     assert again == cfg
+
+
+# Data mixtures and validation data
+
+
+@pytest.mark.parametrize("entries, problem", [
+    (["shipped"], "--training.mixture entry 'shipped' has no weight. Write DATASET[:PATH]=WEIGHT"),
+    (["hf:some/set=1"], "--training.mixture entry 'hf:some/set=1' names dataset 'hf', which is not one of shipped, "
+                        "text, jsonl."),
+    (["jsonl=2"], "--training.mixture entry 'jsonl=2' needs a path: jsonl:PATH=WEIGHT"),
+    (["shipped:x.txt=1"], "--training.mixture entry 'shipped:x.txt=1' gives a path to shipped, which takes none."),
+    (["shipped=0"], "--training.mixture entry 'shipped=0' has weight '0', which must be a positive finite number"),
+    (["shipped=inf"], "--training.mixture entry 'shipped=inf' has weight 'inf', which must be a positive finite"),
+    (["shipped=-1"], "--training.mixture entry 'shipped=-1' has weight '-1', which must be a positive finite"),
+    (["text:/nonexistent/*.txt=1"], "--training.mixture entry 'text:/nonexistent/*.txt=1' has path "
+                                    "'/nonexistent/*.txt', which matches no file or folder."),
+    (["shipped=1", "shipped=2"], "--training.mixture lists shipped twice. Give each source once"),
+])
+def test_mixture_entry_rules(entries: list[str], problem: str) -> None:
+    problems = problems_for("--training.mixture", *entries)
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_mixture_excludes_dataset_flags() -> None:
+    assert problems_for("--training.mixture", "shipped=1", f"jsonl:{DEBUG_TOML}=2.5") == []
+    problems = problems_for("--training.mixture", "shipped=1", "--training.dataset", "text",
+                            "--training.dataset_path", DEBUG_TOML)
+    assert problems == [f"--training.mixture replaces --training.dataset and --training.dataset_path, but "
+                        f"--training.dataset text --training.dataset_path {DEBUG_TOML!r} is also given. Drop it, or "
+                        f"add it to the mixture as text:{DEBUG_TOML}=WEIGHT."]
+
+
+def test_mixture_tables_in_toml_become_entries_and_round_trip(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[training]\nmixture = [{dataset = "shipped", weight = 1}, '
+                           f'{{dataset = "jsonl", path = "{DEBUG_TOML}", weight = 0.25}}, "text:{DEBUG_TOML}=2"]\n')
+    cfg = parse_args(["--job.config_file", toml])
+    assert cfg.training.mixture == ["shipped=1", f"jsonl:{DEBUG_TOML}=0.25", f"text:{DEBUG_TOML}=2"]
+    validate(cfg, world_size=1)
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_toml(path).training.mixture == cfg.training.mixture
+
+
+def test_malformed_mixture_tables_are_named(tmp_path: Path) -> None:
+    toml = write(tmp_path, '[training]\nmixture = [{dataset = "shipped", wieght = 1}, {path = "a.jsonl", weight = 1},'
+                           ' {dataset = "shipped", weight = "heavy"}]\n')
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--job.config_file", toml])
+    assert err.value.problems == [
+        f"{toml}: [training] mixture entry 1 {{'dataset': 'shipped', 'wieght': 1}} has unknown key(s) 'wieght'. "
+        f"Keys: dataset, path, weight.",
+        f"{toml}: [training] mixture entry 2 {{'path': 'a.jsonl', 'weight': 1}} needs dataset, and optionally path, "
+        f'as strings (e.g. {{dataset = "jsonl", path = "data/code.jsonl", weight = 3}}).',
+        f"{toml}: [training] mixture entry 3 {{'dataset': 'shipped', 'weight': 'heavy'}} needs a number weight (e.g. "
+        f"weight = 1)."]
+
+
+@pytest.mark.parametrize("args, world_size, problems", [
+    (["--validation.dataset", "jsonl"], 1,
+     ["--validation.dataset jsonl needs --validation.dataset_path (files, a folder or a glob"]),
+    (["--validation.dataset", "text", "--validation.dataset_path", "/nonexistent.txt"], 1,
+     ["--validation.dataset_path '/nonexistent.txt' matches no file or folder."]),
+    (["--validation.seq_len", "512"], 1,
+     ["--validation.seq_len 512 is longer than --training.seq_len 256, the length the model's rotary table is built "
+      "for. Use --validation.seq_len 256 or less."]),
+    (["--validation.local_batch_size", "4", "--validation.seq_len", "128", "--parallelism.pipeline_parallel_degree",
+      "2"], 2,
+     ["--validation.local_batch_size 4 must equal --training.local_batch_size 8 under "
+      "--parallelism.pipeline_parallel_degree 2: the pipeline schedule's micro-batch shapes are fixed. Use "
+      "--validation.local_batch_size 8 or leave it unset.",
+      "--validation.seq_len 128 must equal --training.seq_len 256 under --parallelism.pipeline_parallel_degree 2"]),
+    (["--validation.seq_len", "102", "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
+      "2"], 4,
+     ["--validation.seq_len 102 must be divisible by 2 x --parallelism.context_parallel_degree 2 (and its 1/2 share by "
+      "--parallelism.tensor_parallel_degree 2): context parallel splits each sequence into 4 load-balanced chunks. "
+      "Try 100."]),
+    (["--validation.seq_len", "101", "--parallelism.tensor_parallel_degree", "2"], 2,
+     ["--validation.seq_len 101 must be divisible by --parallelism.tensor_parallel_degree 2 (sequence parallel "
+      "splits it). Try 100."]),
+])
+def test_validation_rules(args: list[str], world_size: int, problems: list[str]) -> None:
+    """Each rule holds only with --validation.enable; unset sizes are training's and pass every rule."""
+    found = problems_for("--validation.enable", *args, world_size=world_size)
+    assert len(found) == len(problems) and all(want in got for want, got in zip(problems, found)), found
+    assert problems_for(*args, world_size=world_size) == []

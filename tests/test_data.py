@@ -1,14 +1,20 @@
-"""Tokenizer, BPE trainer, document sources, packing, sharding, resumable loading and every data error path."""
+"""Tokenizer, BPE trainer, document sources, the held-out split, packing, the global order across data-parallel
+ranks, mixtures, validation batches, resumable loading and every data error path."""
 
 import base64
 import copy
+import dataclasses
 import gzip
 import itertools
 import json
 import logging
+import pickle
 import random
 import runpy
+import shutil
 import sys
+import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -16,17 +22,20 @@ import tiktoken.load
 import torch
 
 from titan.config.errors import ConfigError
-from titan.config.job import Training
+from titan.config.job import Training, Validation
 from titan.data.bpe_train import train_bpe, write_tiktoken
 from titan.data.dataset import (
+    HELD_OUT_EVERY,
     SHIPPED_CORPUS,
+    DocumentSource,
     LocalDocuments,
-    PackedTokenDataset,
+    PackedWindows,
     build_document_source,
+    is_held_out,
     read_jsonl_documents,
     read_text_documents,
 )
-from titan.data.loader import build_dataloader
+from titan.data.loader import DataParallelLoader, build_dataloader, build_validation_batches
 from titan.data.tokenizer import (
     LLAMA3_SPLIT_PATTERN,
     SHIPPED_TOKENIZER,
@@ -58,8 +67,34 @@ def stream_of(tokenizer: Tokenizer, texts: list[str]) -> list[int]:
     return [t for text in texts for t in tokenizer.encode(text, bos=True, eos=True)]
 
 
-def windows(dataset: PackedTokenDataset, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(itertools.islice(iter(dataset), count))
+def training_source(dataset: str, path: Path | str | None = None) -> DocumentSource:
+    return build_document_source(dataset, None if path is None else str(path), "--training.dataset",
+                                 "--training.dataset_path")
+
+
+def packed(tmp_path: Path, tokenizer: Tokenizer, texts: list[str], seq_len: int) -> PackedWindows:
+    """The windows of `texts`, written to a jsonl file."""
+    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
+    return PackedWindows(source, tokenizer, seq_len, name="test")
+
+
+def token_stream(windows: list[list[int]]) -> list[int]:
+    """The tokens that consecutive windows cover: each window but its last token (the next one's first label)."""
+    return [t for window in windows for t in window]
+
+
+def jsonl_training(tmp_path: Path, texts: list[str], **fields: int) -> Training:
+    return Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", texts)), **fields)
+
+
+def take_batches(loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                 count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(itertools.islice(loader, count))
+
+
+def concatenated(per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches that data-parallel ranks' batches make up, rank 0's sequences first."""
+    return [(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])) for batches in zip(*per_rank)]
 
 
 def assert_same_batches(got: list[tuple[torch.Tensor, torch.Tensor]],
@@ -228,7 +263,7 @@ def test_train_bpe_errors_name_vocab_size() -> None:
         train_bpe(["ab ab"], num_ranks=300)  # runs out of pairs to merge
 
 
-# Document sources
+# Document sources and the held-out split
 
 
 def test_text_files_split_on_blank_lines(tmp_path: Path) -> None:
@@ -238,10 +273,8 @@ def test_text_files_split_on_blank_lines(tmp_path: Path) -> None:
     (tmp_path / ".hidden").write_text("never read\n")
     (tmp_path / "a.txt").write_text("only one")
     expected = ["only one", "first line\nsecond line", "next doc", "  indented"]
-    source = build_document_source(Training(dataset="text", dataset_path=str(tmp_path)))
-    assert list(source.shard(0, 1)) == expected
-    glob_source = build_document_source(Training(dataset="text", dataset_path=str(tmp_path / "*.txt")))
-    assert list(glob_source.shard(0, 1)) == expected[:3]
+    assert list(training_source("text", tmp_path).documents()) == expected
+    assert list(training_source("text", tmp_path / "*.txt").documents()) == expected[:3]
 
 
 def test_jsonl_folder_reads_plain_and_gzip(tmp_path: Path) -> None:
@@ -249,65 +282,71 @@ def test_jsonl_folder_reads_plain_and_gzip(tmp_path: Path) -> None:
     with gzip.open(tmp_path / "b.jsonl.gz", "wt") as file:
         file.write(json.dumps({"text": "three", "id": 3}) + "\n\n")
     (tmp_path / "notes.txt").write_text("not data")
-    source = build_document_source(Training(dataset="jsonl", dataset_path=str(tmp_path)))
-    assert list(source.shard(0, 1)) == ["one", "two", "three"]
+    assert list(training_source("jsonl", tmp_path).documents()) == ["one", "two", "three"]
 
 
 def test_shipped_corpus_is_small_and_loads(tokenizer: Tokenizer, corpus: list[str]) -> None:
     assert SHIPPED_CORPUS.stat().st_size < 1_000_000  # the committed asset stays small
     assert len(corpus) > 300 and 1_000_000 < sum(len(t.encode("utf-8")) for t in corpus) < 3_000_000
-    assert list(build_document_source(Training()).shard(0, 1)) == corpus
-    inputs, labels = next(iter(build_dataloader(tokenizer, Training(), dp_rank=0, dp_world_size=1)))
+    inputs, labels = next(iter(build_dataloader(tokenizer, Training(), dp_rank=0, dp_degree=1)))
     assert inputs.shape == labels.shape == (Training().local_batch_size, Training().seq_len)
     assert inputs.dtype == labels.dtype == torch.int64
 
 
-@pytest.mark.parametrize("dp_world_size", [2, 3])
-def test_ranks_get_disjoint_documents_covering_all(tmp_path: Path, dp_world_size: int) -> None:
-    texts = [f"document number {i}" for i in range(10)]
-    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
-    shards = [list(source.shard(rank, dp_world_size)) for rank in range(dp_world_size)]
-    assert sorted(itertools.chain(*shards)) == sorted(texts)
-    assert sum(map(len, shards)) == len(texts)
-    assert shards[1] == texts[1::dp_world_size]
+def test_shipped_training_never_reads_held_out_documents(tokenizer: Tokenizer, corpus: list[str]) -> None:
+    """Training reads the shipped documents but 1 in 20 (by a CRC-32 of the text), in corpus order, and the whole
+    first epoch of its stream is theirs; --validation.dataset shipped reads exactly the others."""
+    training_texts = [t for t in corpus if not is_held_out(t)]
+    held_out = [t for t in corpus if zlib.crc32(t.encode("utf-8")) % HELD_OUT_EVERY == 0]
+    assert len(corpus) / HELD_OUT_EVERY / 2 < len(held_out) < 2 * len(corpus) / HELD_OUT_EVERY
+    assert list(training_source("shipped").documents()) == training_texts
+    epoch = stream_of(tokenizer, training_texts)
+    stream = build_dataloader(tokenizer, Training(seq_len=2047), 0, 1).dataset
+    got = token_stream(stream.take(len(epoch) // 2048))
+    assert got == epoch[: len(got)] and len(epoch) - len(got) < 2048
+    validation = build_validation_batches(tokenizer, Validation(enable=True), Training(seq_len=63, local_batch_size=2),
+                                          0, 1)
+    assert validation.windows.source.origin == "--validation.dataset shipped"
+    assert list(validation.windows.source.documents()) == held_out
+    first_inputs = next(iter(validation))[0]
+    assert first_inputs[0].tolist() == stream_of(tokenizer, held_out)[:63]
 
 
-# Packing, epochs and resuming
+# Packing, epochs, the global order and resuming
 
 
 def test_windows_are_consecutive_and_labels_shift(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
     texts = corpus[:3]
-    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
     seq_len = 64
-    dataset = PackedTokenDataset(source, tokenizer, seq_len, dp_rank=0, dp_world_size=1)
     stream = stream_of(tokenizer, texts)
-    count = len(stream) // (seq_len + 1)
-    for k, (inputs, labels) in enumerate(windows(dataset, count)):
-        assert inputs.shape == labels.shape == (seq_len,) and inputs.dtype == torch.int64
+    loader = build_dataloader(tokenizer, jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=1), 0, 1)
+    for k, (inputs, labels) in enumerate(take_batches(loader, len(stream) // (seq_len + 1))):
+        assert inputs.shape == labels.shape == (1, seq_len) and inputs.dtype == torch.int64
         window = stream[k * (seq_len + 1) : (k + 1) * (seq_len + 1)]
-        assert inputs.tolist() == window[:-1] and labels.tolist() == window[1:]
+        assert inputs[0].tolist() == window[:-1] and labels[0].tolist() == window[1:]
 
 
-def test_rank_packs_only_its_documents(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    texts = [f"doc {i}: " + "words " * i for i in range(12)]
-    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
-    dataset = PackedTokenDataset(source, tokenizer, seq_len=7, dp_rank=1, dp_world_size=3)
-    stream = stream_of(tokenizer, texts[1::3])
-    got = [t for inputs, labels in windows(dataset, len(stream) // 8) for t in [*inputs.tolist(), labels[-1].item()]]
-    assert got == stream[: len(got)]
+@pytest.mark.parametrize("dp_degree", [2, 3])
+def test_ranks_split_the_batches_of_one_process(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str],
+                                                dp_degree: int) -> None:
+    """Data-parallel rank r of D with batch B gets sequences [r*B, (r+1)*B) of each batch of one process with batch
+    B*D: D ranks train on exactly that process's samples, whatever D."""
+    training = jsonl_training(tmp_path, corpus[:6], seq_len=32, local_batch_size=2)
+    one_process = build_dataloader(tokenizer, dataclasses.replace(training, local_batch_size=2 * dp_degree), 0, 1)
+    per_rank = [take_batches(build_dataloader(tokenizer, training, rank, dp_degree), 8) for rank in range(dp_degree)]
+    assert_same_batches(concatenated(per_rank), take_batches(one_process, 8))
 
 
 def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer,
                                            titan_records: list[logging.LogRecord]) -> None:
     texts = ["alpha beta gamma", "delta", "epsilon zeta eta theta"]
-    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
-    dataset = PackedTokenDataset(source, tokenizer, seq_len=4, dp_rank=0, dp_world_size=1)
+    windows = packed(tmp_path, tokenizer, texts, seq_len=4)
     epoch = stream_of(tokenizer, texts)
     count = 4 * len(epoch) // 5 + 1  # a little over four epochs
-    got = [t for inputs, labels in windows(dataset, count) for t in [*inputs.tolist(), labels[-1].item()]]
+    got = token_stream([windows.next_window() for _ in range(count)])
     assert got == (epoch * 5)[: len(got)]
-    starts = [r.getMessage() for r in titan_records if "starts" in r.getMessage()]
-    assert [m.split()[2] for m in starts] == ["0", "1", "2", "3", "4"]
+    starts = [r.getMessage() for r in titan_records if "starts epoch" in r.getMessage()]
+    assert starts == [f"Data: source test starts epoch {epoch}" for epoch in range(5)]
 
 
 # Documents of 3 tokens (BOS, letter, EOS) and windows of 6: every batch of 2 windows ends on a document
@@ -320,40 +359,145 @@ RAGGED_TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, twice over."
 def test_loader_resumes_exactly_at_every_batch(tmp_path: Path, tokenizer: Tokenizer, texts: list[str],
                                                seq_len: int) -> None:
     """Resuming after k batches (mid-epoch, mid-document, on an epoch boundary) gives the same next batches."""
-    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", texts)),
-                        seq_len=seq_len, local_batch_size=2)
+    training = jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=2)
     num_batches = 10  # several epochs of this data
-    reference = list(itertools.islice(build_dataloader(tokenizer, training, 0, 1), num_batches))
+    reference = take_batches(build_dataloader(tokenizer, training, 0, 1), num_batches)
     for k in range(num_batches):
         interrupted = build_dataloader(tokenizer, training, 0, 1)
-        batches = iter(interrupted)
-        for _ in range(k):
-            next(batches)
+        take_batches(interrupted, k)
         resumed = build_dataloader(tokenizer, training, 0, 1)
         resumed.load_state_dict(copy.deepcopy(interrupted.state_dict()))
-        assert_same_batches(list(itertools.islice(resumed, num_batches - k)), reference[k:])
+        assert_same_batches(take_batches(resumed, num_batches - k), reference[k:])
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 2), (1, 4)), ((1, 4), (2, 2)), ((2, 2), (4, 1))],
+                         ids=["dp2-to-dp1", "dp1-to-dp2", "dp2-to-dp4"])
+def test_resume_on_another_data_parallel_degree(tmp_path: Path, tokenizer: Tokenizer, saved: tuple[int, int],
+                                                resumed: tuple[int, int]) -> None:
+    """The state is the global stream's position, the same on every rank: saved by one layout (dp degree, local
+    batch), it continues the same global batches on another."""
+    training = jsonl_training(tmp_path, RAGGED_TEXTS, seq_len=9)
+
+    def loaders(dp_degree: int, local_batch_size: int) -> list[DataParallelLoader]:
+        per_rank = dataclasses.replace(training, local_batch_size=local_batch_size)
+        return [build_dataloader(tokenizer, per_rank, rank, dp_degree) for rank in range(dp_degree)]
+
+    reference = take_batches(loaders(1, 4)[0], 10)
+    before = loaders(*saved)
+    for loader in before:
+        take_batches(loader, 3)
+    states = [pickle.dumps(loader.state_dict()) for loader in before]
+    assert len(set(states)) == 1
+    after = loaders(*resumed)
+    for loader in after:
+        loader.load_state_dict(pickle.loads(states[0]))
+    assert_same_batches(concatenated([take_batches(loader, 7) for loader in after]), reference[3:])
 
 
 def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
-    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", corpus[:4])),
-                        seq_len=128, local_batch_size=4)
-    loader = build_dataloader(tokenizer, training, dp_rank=1, dp_world_size=2)
+    training = jsonl_training(tmp_path, corpus[:4], seq_len=128, local_batch_size=4)
+    loader = build_dataloader(tokenizer, training, dp_rank=1, dp_degree=2)
     batches = iter(loader)
-    for _ in range(7):  # past the end of rank 1's first epoch
+    for _ in range(7):  # past the end of the first epoch
         next(batches)
     torch.save(loader.state_dict(), tmp_path / "state.pt")
     expected = [next(batches) for _ in range(3)]
-    resumed = build_dataloader(tokenizer, training, dp_rank=1, dp_world_size=2)
+    # A single source continues under another name: the data moved to a new path.
+    moved = shutil.copy(training.dataset_path, tmp_path / "moved.jsonl")
+    resumed = build_dataloader(tokenizer, dataclasses.replace(training, dataset_path=str(moved)), dp_rank=1,
+                               dp_degree=2)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
-    assert loader.state_dict()["dataset_state"]["epoch"] >= 1
-    assert_same_batches(list(itertools.islice(resumed, len(expected))), expected)
+    assert resumed.dataset.position()["epoch"] >= 1
+    assert_same_batches(take_batches(resumed, len(expected)), expected)
+
+
+# Mixtures
+
+
+def test_mixture_draws_follow_the_weights(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """Window i's source is a pure function of (seed, i): the same in every stream with that seed, other with
+    another seed, and each source's share of the windows follows its weight."""
+    code = write_jsonl(tmp_path / "code.jsonl", ["def f(): pass"])
+    training = Training(mixture=["shipped=1", f"jsonl:{code}=3"], seq_len=8)
+
+    def draws(seed: int) -> list[str]:
+        stream = build_dataloader(tokenizer, dataclasses.replace(training, seed=seed), 0, 1).dataset
+        return [stream.source_of(index).name for index in range(4000)]
+
+    first = draws(42)
+    assert first == draws(42) and first != draws(7)
+    assert 0.72 < first.count(f"jsonl:{code}") / len(first) < 0.78  # 3/4 of 4000 draws: 0.007 standard deviation
+
+
+def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer: Tokenizer,
+                                                      titan_records: list[logging.LogRecord]) -> None:
+    """Each source packs its own documents epoch after epoch (and says when one starts); the tokens drawn from
+    each, the position and every later window come back from the state."""
+    texts = {"a": ["alpha beta gamma delta", "epsilon"], "b": ["one two three four five six seven eight nine"]}
+    names = {key: f"jsonl:{write_jsonl(tmp_path / f'{key}.jsonl', value)}" for key, value in texts.items()}
+    training = Training(mixture=[f"{names['a']}=1", f"{names['b']}=2"], seq_len=5)
+    stream = build_dataloader(tokenizer, training, 0, 1).dataset
+    windows = stream.take(23)
+    state = copy.deepcopy(stream.state_dict())
+    windows += stream.take(37)
+    drawn = [stream.source_of(index).name for index in range(60)]
+    for key, name in names.items():
+        own = [window for window, source in zip(windows, drawn) if source == name]
+        assert token_stream(own) == (stream_of(tokenizer, texts[key]) * 60)[: 6 * len(own)]
+    assert stream.tokens_per_source() == {name: 5 * drawn.count(name) for name in names.values()}
+    assert stream.position()["window_index"] == 60 and stream.position()["source"] == stream.source_of(60).name
+    logged = {r.getMessage() for r in titan_records}
+    assert {f"Data: source {name} starts epoch 2" for name in names.values()} <= logged
+    resumed = build_dataloader(tokenizer, training, 0, 1)
+    resumed.load_state_dict(state)
+    assert resumed.dataset.take(37) == windows[23:]
+    assert resumed.dataset.tokens_per_source() == stream.tokens_per_source()
+    other_data = build_dataloader(tokenizer, Training(), 0, 1)
+    with pytest.raises(ConfigError, match="--checkpoint.exclude_from_loading dataloader"):
+        other_data.load_state_dict(state)
+
+
+# Validation batches
+
+
+def test_validation_is_one_pass_with_the_same_batches_on_every_rank(tmp_path: Path, tokenizer: Tokenizer,
+                                                                   corpus: list[str]) -> None:
+    """Every iteration is one pass from the first document; ranks split each global batch as in training, and all
+    yield the same number of batches: the incomplete last global batch is left out. --validation.steps caps the
+    batches; unset, local_batch_size and seq_len are training's."""
+    texts = corpus[:2]
+    validation = Validation(enable=True, dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "v.jsonl", texts)))
+    training = Training(seq_len=31, local_batch_size=3)
+    num_windows = len(stream_of(tokenizer, texts)) // 32
+    assert num_windows % 6 and num_windows > 12  # a partial global batch at the end
+    per_rank = [build_validation_batches(tokenizer, validation, training, rank, 2) for rank in range(2)]
+    passes = [list(batches) for batches in per_rank]
+    assert len(passes[0]) == len(passes[1]) == num_windows // 6
+    assert passes[0][0][0].shape == (3, 31)
+    assert_same_batches(list(per_rank[1]), passes[1])  # the second pass starts over
+    one_process = build_validation_batches(tokenizer, validation, dataclasses.replace(training, local_batch_size=6),
+                                           0, 1)
+    assert_same_batches(concatenated(passes), list(one_process))
+    capped = dataclasses.replace(validation, steps=2, local_batch_size=1, seq_len=16)
+    assert [inputs.shape for inputs, _ in build_validation_batches(tokenizer, capped, training, 0, 2)] == [(1, 16)] * 2
+
+
+def test_validation_set_smaller_than_one_global_batch(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    path = write_jsonl(tmp_path / "v.jsonl", ["a short validation text of a few dozen tokens, " * 2])
+    num_windows = len(stream_of(tokenizer, ["a short validation text of a few dozen tokens, " * 2])) // 9
+    validation = Validation(enable=True, dataset="jsonl", dataset_path=str(path), seq_len=8)
+    with pytest.raises(ConfigError) as err:
+        build_validation_batches(tokenizer, validation, Training(local_batch_size=4), 0, 2)
+    assert (f"--validation.dataset_path '{path}' gives {num_windows} window(s) of --validation.seq_len 8 + 1 tokens, "
+            f"fewer than one global batch of --training.local_batch_size 4 x data-parallel degree 2 = 8. Try "
+            f"--validation.local_batch_size {num_windows // 2}") in str(err.value)
 
 
 # Error paths
 
 
-def first_batch(tokenizer: Tokenizer, training: Training, dp_rank: int = 0, dp_world_size: int = 1) -> None:
-    next(iter(build_dataloader(tokenizer, training, dp_rank, dp_world_size)))
+def first_batch(tokenizer: Tokenizer, training: Training) -> None:
+    next(iter(build_dataloader(tokenizer, training, dp_rank=0, dp_degree=1)))
 
 
 @pytest.mark.parametrize("dataset, relative", [
@@ -396,14 +540,6 @@ def test_empty_dataset(tmp_path: Path, tokenizer: Tokenizer, name: str, content:
         first_batch(tokenizer, Training(dataset=dataset, dataset_path=str(tmp_path / name), seq_len=8))
 
 
-def test_rank_without_documents(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    training = Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", ["only " * 50])),
-                        seq_len=8)
-    first_batch(tokenizer, training, dp_rank=0, dp_world_size=2)
-    with pytest.raises(ConfigError, match=r"--training\.dataset_path .*data-parallel rank 1 of 2"):
-        first_batch(tokenizer, training, dp_rank=1, dp_world_size=2)
-
-
 def test_data_shorter_than_one_window(tmp_path: Path, tokenizer: Tokenizer) -> None:
     texts = ["short", "texts"]
     num_tokens = len(stream_of(tokenizer, texts))
@@ -413,24 +549,23 @@ def test_data_shorter_than_one_window(tmp_path: Path, tokenizer: Tokenizer) -> N
     assert f"only {num_tokens} tokens" in str(err.value) and "--training.seq_len 64 + 1 = 65" in str(err.value)
 
 
-def test_hf_local_folder_shards_and_resumes(tmp_path: Path, tokenizer: Tokenizer,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hf_local_folder_is_one_global_stream_and_resumes(tmp_path: Path, tokenizer: Tokenizer,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank streams the whole dataset and keeps its windows, as with local files."""
     pytest.importorskip("datasets", reason="the hf source needs the optional `datasets` package (titan[hf])")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     texts = [f"hf document {i} " + "word " * i for i in range(12)]
     write_jsonl(tmp_path / "train.jsonl", texts)
     training = Training(dataset="hf", dataset_path=str(tmp_path), seq_len=16, local_batch_size=2)
-    source = build_document_source(training)
-    shards = [list(source.shard(rank, 3)) for rank in range(3)]
-    assert sorted(itertools.chain(*shards)) == sorted(texts)
-    reference = list(itertools.islice(build_dataloader(tokenizer, training, 1, 3), 6))
+    assert list(training_source("hf", tmp_path).documents()) == texts
+    one_process = take_batches(build_dataloader(tokenizer, dataclasses.replace(training, local_batch_size=6), 0, 1), 6)
+    per_rank = [take_batches(build_dataloader(tokenizer, training, rank, 3), 6) for rank in range(3)]
+    assert_same_batches(concatenated(per_rank), one_process)
     interrupted = build_dataloader(tokenizer, training, 1, 3)
-    batches = iter(interrupted)
-    for _ in range(2):
-        next(batches)
-    resumed = build_dataloader(tokenizer, training, 1, 3)
+    take_batches(interrupted, 2)
+    resumed = build_dataloader(tokenizer, dataclasses.replace(training, local_batch_size=6), 0, 1)
     resumed.load_state_dict(interrupted.state_dict())
-    assert_same_batches(list(itertools.islice(resumed, len(reference) - 2)), reference[2:])
+    assert_same_batches(take_batches(resumed, 4), one_process[2:])
 
 
 def test_hf_without_datasets_package(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:

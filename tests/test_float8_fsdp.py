@@ -119,7 +119,7 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     all_gather = ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
     runs = {}
     for name, extra in (("high_precision", []), ("float8", all_gather)):
-        run_torchrun("parallel_harness.py", WORLD_SIZE, str(tmp_path / f"{name}.pt"), "1", *flags,
+        run_torchrun("parallel_harness.py", WORLD_SIZE, str(tmp_path / f"{name}.pt"), *flags,
                      "--job.dump_folder", str(tmp_path / name), *extra)
         runs[name] = torch.load(tmp_path / f"{name}.pt")
     return runs

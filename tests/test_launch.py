@@ -80,8 +80,9 @@ def test_ngpu2_tensor_parallel_matches_ngpu1(tmp_path: Path) -> None:
 
 
 def test_ngpu2_fsdp_trains(tmp_path: Path) -> None:
+    # A short warmup to a high lr, so 5 steps lower the loss by far more than one batch's noise.
     result = run_train(*SHORT, "--job.dump_folder", str(tmp_path), "--parallelism.data_parallel_shard_degree", "2",
-                       env={"NGPU": "2"})
+                       "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1", env={"NGPU": "2"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Applied FSDP2 over (2,) ranks" in result.stdout
     losses = losses_of(tmp_path)

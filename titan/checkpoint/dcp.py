@@ -10,7 +10,7 @@ State (top-level keys of the DCP state dict):
   optimizer     optimizer state by parameter FQN (torch.distributed.checkpoint.state_dict)
   lr_scheduler  the schedule's state, pickled
   train_state   step, tokens seen, data-parallel degree, world size, spike window and skip count, pickled
-  dataloader    dp_rank_<r>: each data-parallel rank's loader position, pickled
+  dataloader    stream: the global data stream's position, pickled (the same on every rank, so DCP writes it once)
   rng           rank_<r>: each rank's torch (and CUDA) RNG state, pickled
 Weights-only checkpoints (seed checkpoints, --checkpoint.last_save_model_only exports) hold only `model`.
 """
@@ -52,6 +52,9 @@ STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
 MODEL_KEY = "model"
 """Top-level key of the model's state dict: its tensors are `model.<fqn>` in a checkpoint's metadata."""
+DATA_KEY = "stream"
+"""Key of the data position in the `dataloader` part (older checkpoints held one position per data-parallel rank,
+under dp_rank_<r>)."""
 
 
 class CheckpointError(ConfigError):
@@ -187,7 +190,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader: Any, device: torch.device,
-                 dp_rank: int, dp_degree: int, model_fqns: set[str]) -> None:
+                 dp_degree: int, model_fqns: set[str]) -> None:
         """`model` is this rank's share of the model by FQN (all of it without pipeline parallel); `model_fqns` are
         the parameter FQNs of the whole model."""
         self.cfg = cfg
@@ -195,7 +198,7 @@ class Checkpointer:
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.device = device
-        self.dp_rank, self.dp_degree = dp_rank, dp_degree
+        self.dp_degree = dp_degree
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.pending: tuple[int, Future] | None = None
@@ -219,7 +222,7 @@ class Checkpointer:
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
             "lr_scheduler": pickle.dumps(self.lr_scheduler.state_dict()),
             "train_state": pickle.dumps(asdict(train_state)),
-            "dataloader": {f"dp_rank_{self.dp_rank}": pickle.dumps(self.dataloader.state_dict())},
+            "dataloader": {DATA_KEY: pickle.dumps(self.dataloader.state_dict())},
             "rng": {f"rank_{self.rank}": pickle.dumps(rng_state(self.device))},
         }
 
@@ -357,7 +360,7 @@ class Checkpointer:
         if "train_state" in state:
             saved = TrainState(**pickle.loads(state["train_state"]))
             train_state = replace(saved, dp_degree=self.dp_degree, world_size=self.world_size)
-            state.update(self.load_per_rank_state(folder, metadata, saved, exclude, fix))
+            state.update(self.load_data_and_rng(folder, metadata, saved, exclude, fix))
         skipped = sorted(saved_parts & exclude)
         logger.info(f"Loaded {folder}: step {train_state.step}, {', '.join(sorted(state))} restored"
                     + (f"; not restored: {', '.join(skipped)}" if skipped else ""))
@@ -380,18 +383,18 @@ class Checkpointer:
             return None
         return self.load_folder(folder, exclude={"dataloader"}, fix=RESUME_FIX)
 
-    def load_per_rank_state(self, folder: Path, metadata: dict[str, Any], saved: TrainState,
-                            exclude: set[str], fix: str) -> dict[str, Any]:
-        """The data position and RNG are per rank: restore them only on the layout they were saved with. Returns
-        the parts restored."""
+    def load_data_and_rng(self, folder: Path, metadata: dict[str, Any], saved: TrainState, exclude: set[str],
+                          fix: str) -> dict[str, Any]:
+        """The data position is global, so it resumes on any layout; the RNG states are per rank, so they are
+        restored only on the world size they were saved with (the model has no dropout: losses don't depend on
+        them). Returns the parts restored."""
         state: dict[str, Any] = {}
-        if "dataloader" not in exclude:
-            if saved.dp_degree == self.dp_degree:
-                state["dataloader"] = {f"dp_rank_{self.dp_rank}": b""}
-            else:
-                logger.warning(f"The checkpoint was saved with data-parallel degree {saved.dp_degree}, this run has "
-                               f"{self.dp_degree}: each rank reads a different document shard now, so the data "
-                               f"order restarts instead of resuming.")
+        data_key = f"dataloader.{DATA_KEY}"
+        if "dataloader" not in exclude and data_key in metadata:
+            state["dataloader"] = {DATA_KEY: b""}
+        elif "dataloader" not in exclude and any(key.startswith("dataloader.") for key in metadata):
+            logger.warning("The checkpoint holds a data position per data-parallel rank (written before the data "
+                           "order became global), which this version cannot continue: the data order restarts.")
         if "rng" not in exclude and saved.world_size == self.world_size:
             state["rng"] = {f"rank_{self.rank}": b""}
         state = {part: value for part, value in state.items() if any(k.startswith(part + ".") for k in metadata)}
@@ -399,7 +402,7 @@ class Checkpointer:
             return state
         self.read(folder, state, fix)
         if "dataloader" in state:
-            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+            self.dataloader.load_state_dict(pickle.loads(state["dataloader"][DATA_KEY]))
         if "rng" in state:
             set_rng_state(pickle.loads(state["rng"][f"rank_{self.rank}"]), self.device)
         return state

@@ -116,15 +116,16 @@ class Training:
     compile: bool = False
     """torch.compile each transformer block and the loss."""
     seed: Seed = 42
-    """Seed for weight init and data-independent randomness; the same seed gives the same losses."""
+    """Seed for weight init and for the --training.mixture draws; the same seed gives the same losses."""
     deterministic: bool = False
     """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
     mixture: list[str] = field(default_factory=list)
     """Several weighted data sources instead of --training.dataset: each is DATASET[:PATH]=WEIGHT, with DATASET one
     of shipped, text, jsonl (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of tables,
     `mixture = [{dataset = "shipped", weight = 1}, {dataset = "jsonl", path = "data/code.jsonl", weight = 3}]`).
-    Each sequence comes from one source, drawn with probability proportional to its weight; a source that runs out
-    starts over. Empty: the single source of --training.dataset."""
+    Each sequence comes from one source, drawn with probability proportional to its weight (from --training.seed and
+    the sequence's index, so every layout and a resumed run draw alike); a source that runs out starts over. Empty:
+    the single source of --training.dataset."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a non-finite loss or gradient norm does: stop the run (exit 3), or skip that step's update (no optimizer
     or LR-schedule step; the data moves on) and record it in <dump_folder>/anomalies.jsonl."""

@@ -12,6 +12,7 @@ import tyro
 
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
+from titan.config.mixture import format_mixture_entry
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,12 +133,42 @@ def build_section(cls: type, section_name: str, table: dict[str, Any], path: Pat
         if key not in hints:
             problems.append(f"{path}: unknown key {key!r} in [{section_name}]{suggest(key, hints)}")
             continue
+        if (section_name, key) == ("training", "mixture") and isinstance(value, list):
+            value = mixture_strings(value, f"{path}: [training] mixture", problems)
         converted, expected = convert_value(value, hints[key])
         if expected is not None:
             problems.append(f"{path}: [{section_name}] {key} = {value!r} must be {expected}.")
             continue
         values[key] = converted
     return cls(**values)
+
+
+MIXTURE_TABLE_KEYS = ("dataset", "path", "weight")
+
+
+def mixture_strings(entries: list[Any], where: str, problems: list[str]) -> list[Any]:
+    """--training.mixture entries with each TOML table ({dataset = "jsonl", path = "a.jsonl", weight = 3}) written
+    as the string the command line takes ("jsonl:a.jsonl=3"), which validate() then checks like any other. A
+    malformed table is appended to `problems` (named by its position) and left out."""
+    converted = []
+    for number, entry in enumerate(entries, start=1):
+        if not isinstance(entry, dict):
+            converted.append(entry)
+            continue
+        name = f"{where} entry {number} {entry!r}"
+        unknown = [key for key in entry if key not in MIXTURE_TABLE_KEYS]
+        dataset, path, weight = entry.get("dataset"), entry.get("path"), entry.get("weight")
+        if unknown:
+            problems.append(f"{name} has unknown key(s) {', '.join(map(repr, unknown))}. Keys: "
+                            f"{', '.join(MIXTURE_TABLE_KEYS)}.")
+        elif not isinstance(dataset, str) or not (path is None or isinstance(path, str)):
+            problems.append(f"{name} needs dataset, and optionally path, as strings "
+                            f'(e.g. {{dataset = "jsonl", path = "data/code.jsonl", weight = 3}}).')
+        elif not isinstance(weight, (int, float)) or isinstance(weight, bool):
+            problems.append(f"{name} needs a number weight (e.g. weight = 1).")
+        else:
+            converted.append(format_mixture_entry(dataset, path, weight))
+    return converted
 
 
 def convert_value(value: Any, hint: Any) -> tuple[Any, str | None]:

@@ -19,6 +19,7 @@ import torch
 from titan.config.domain import field_ranges
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
+from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 from titan.models.llama.model import Transformer
@@ -139,14 +140,51 @@ def check_tokenizer_path(cfg: JobConfig, world_size: int) -> str | None:
 
 
 def check_dataset_path(cfg: JobConfig, world_size: int) -> str | None:
-    t = cfg.training
-    if t.dataset == "shipped":
+    return dataset_path_problem("--training", cfg.training.dataset, cfg.training.dataset_path)
+
+
+def dataset_path_problem(section: str, dataset: str, dataset_path: str | None) -> str | None:
+    """A missing or unmatched `{section}.dataset_path` for `dataset` (the path is unused for shipped)."""
+    if dataset == "shipped":
         return None
-    if t.dataset_path is None:
-        return f"--training.dataset {t.dataset} needs --training.dataset_path (files, a folder or a glob; a dataset name for hf)."
-    if t.dataset in ("text", "jsonl") and not (resolve_path(t.dataset_path).exists() or glob.glob(t.dataset_path)):
-        return f"--training.dataset_path {t.dataset_path!r} matches no file or folder. Check the path or glob."
+    if dataset_path is None:
+        return (f"{section}.dataset {dataset} needs {section}.dataset_path (files, a folder or a glob; a dataset name "
+                f"for hf).")
+    if dataset in ("text", "jsonl") and not path_matches(dataset_path):
+        return f"{section}.dataset_path {dataset_path!r} matches no file or folder. Check the path or glob."
     return None
+
+
+def path_matches(path: str) -> bool:
+    return resolve_path(path).exists() or bool(glob.glob(path))
+
+
+def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
+    t = cfg.training
+    problems = []
+    sources: list[str] = []
+    for text in t.mixture:
+        try:
+            entry = parse_mixture_entry(text)
+        except ValueError as bad:
+            problems.append(f"--training.mixture entry {text!r} {bad}")
+            continue
+        if entry.path is not None and not path_matches(entry.path):
+            problems.append(f"--training.mixture entry {text!r} has path {entry.path!r}, which matches no file or "
+                            f"folder. Check the path or glob.")
+        if entry.source in sources:
+            problems.append(f"--training.mixture lists {entry.source} twice. Give each source once, with the sum of "
+                            f"its weights.")
+        sources.append(entry.source)
+    defaults = JobConfig().training
+    if t.mixture and (t.dataset, t.dataset_path) != (defaults.dataset, defaults.dataset_path):
+        given = f"--training.dataset {t.dataset}" + (f" --training.dataset_path {t.dataset_path!r}"
+                                                     if t.dataset_path is not None else "")
+        source = MixtureEntry(t.dataset, None if t.dataset == "shipped" else t.dataset_path, weight=1.0).source
+        as_entry = f", or add it to the mixture as {source}=WEIGHT" if t.dataset in MIXTURE_DATASETS else ""
+        problems.append(f"--training.mixture replaces --training.dataset and --training.dataset_path, but {given} is "
+                        f"also given. Drop it{as_entry}.")
+    return problems
 
 
 def check_dump_folder(cfg: JobConfig, world_size: int) -> str | None:
@@ -323,6 +361,50 @@ def check_context_parallel(cfg: JobConfig, world_size: int) -> str | None:
             f"{max(step, seq_len // step * step)}.")
 
 
+def check_validation_dataset_path(cfg: JobConfig, world_size: int) -> str | None:
+    v = cfg.validation
+    return dataset_path_problem("--validation", v.dataset, v.dataset_path) if v.enable else None
+
+
+@needs_in_range("validation.local_batch_size", "validation.seq_len", "parallelism.pipeline_parallel_degree")
+def check_validation_pipeline(cfg: JobConfig, world_size: int) -> list[str]:
+    """The pipeline schedule is built for training's micro-batch shapes, and evaluates through it."""
+    v, t, pp = cfg.validation, cfg.training, cfg.parallelism.pipeline_parallel_degree
+    if not v.enable or pp == 1:
+        return []
+    return [f"--validation.{name} {value} must equal --training.{name} {training_value} under "
+            f"--parallelism.pipeline_parallel_degree {pp}: the pipeline schedule's micro-batch shapes are fixed. Use "
+            f"--validation.{name} {training_value} or leave it unset."
+            for name, value, training_value in (("local_batch_size", v.local_batch_size, t.local_batch_size),
+                                                ("seq_len", v.seq_len, t.seq_len))
+            if value is not None and value != training_value]
+
+
+@needs_in_range("validation.seq_len", "training.seq_len", "parallelism.context_parallel_degree",
+                "parallelism.tensor_parallel_degree")
+def check_validation_seq_len(cfg: JobConfig, world_size: int) -> str | None:
+    """At most the length the model's rotary table is built for, and a length context and tensor parallel can
+    split. Unset, it is --training.seq_len, which the training rules check."""
+    v, par = cfg.validation, cfg.parallelism
+    seq_len, training_seq_len = v.seq_len, cfg.training.seq_len
+    if not v.enable or seq_len is None:
+        return None
+    if seq_len > training_seq_len:
+        return (f"--validation.seq_len {seq_len} is longer than --training.seq_len {training_seq_len}, the length "
+                f"the model's rotary table is built for. Use --validation.seq_len {training_seq_len} or less.")
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
+    if cp > 1 and (seq_len % (2 * cp) or (seq_len // cp) % tp):
+        step = 2 * cp * tp // math.gcd(2, tp)  # the smallest length both splits divide, as in check_context_parallel
+        with_tp = f" (and its 1/{cp} share by --parallelism.tensor_parallel_degree {tp})" if tp > 1 else ""
+        return (f"--validation.seq_len {seq_len} must be divisible by 2 x --parallelism.context_parallel_degree "
+                f"{cp}{with_tp}: context parallel splits each sequence into {2 * cp} load-balanced chunks. Try "
+                f"{max(step, seq_len // step * step)}.")
+    if cp == 1 and seq_len % tp:
+        return (f"--validation.seq_len {seq_len} must be divisible by --parallelism.tensor_parallel_degree {tp} "
+                f"(sequence parallel splits it). Try {max(tp, seq_len // tp * tp)}.")
+    return None
+
+
 def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
     tp = cfg.parallelism.tensor_parallel_degree
     if tp <= 1:
@@ -458,6 +540,7 @@ RULES: tuple[Rule, ...] = (
     check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
     check_float8_hardware, check_mx_hardware, check_checkpoint, check_spike_rollback, check_time_limit,
+    check_mixture, check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
 )
 
 

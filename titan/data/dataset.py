@@ -1,19 +1,25 @@
 """Documents in, packed token windows out.
 
-Sources, chosen by --training.dataset:
+Sources, chosen by --training.dataset (several at once, weighted, by --training.mixture: titan/data/mixture.py):
   shipped  titan/data/corpus/stdlib_docs.jsonl.gz: Python's reference docs and stdlib docstrings (PSF licence).
+           1 in HELD_OUT_EVERY documents are held out: training never reads them, --validation.dataset shipped
+           reads only them.
   text     UTF-8 files named by --training.dataset_path: a file, a folder (every non-hidden file under it) or a
-           glob. Blank lines separate documents, so even a single large file spreads over data-parallel ranks.
+           glob. Blank lines separate documents.
   jsonl    .jsonl or .jsonl.gz files named the same way (a folder: the files with those suffixes); the "text"
            field of each line is one document.
   hf       a Hugging Face dataset name or folder, streamed by `datasets` (the `hf` extra); its "text" column.
+           Every data-parallel rank streams all of it (see below).
 
-Local documents are numbered across the sorted file list and data-parallel rank r of W reads documents
-r, r + W, r + 2W, ...; hf shards with `datasets.distributed.split_dataset_by_node`. Each document becomes
-BOS + tokens + EOS; the documents are concatenated and cut into windows of seq_len + 1 tokens that do not
-overlap, and a window gives (inputs, labels) = (window[:-1], window[1:]). The stream repeats forever, one epoch
-per pass over the shard. Its state is the position of the next unused token (epoch, document, token offset),
-so a resumed stream yields exactly the windows an uninterrupted one would have.
+Local documents are numbered across the sorted file list. Each document becomes BOS + tokens + EOS; the documents
+are concatenated in order and cut into windows of seq_len + 1 tokens that do not overlap, and a window gives
+(inputs, labels) = (window[:-1], window[1:]). For training the stream repeats forever, one epoch per pass over the
+documents. Its state is the position of the next unused token (epoch, document, token offset), so a resumed stream
+yields exactly the windows an uninterrupted one would have.
+
+There is one such stream per source for the whole job, not one per rank: every data-parallel rank reads and
+tokenizes all of it and keeps only its own windows of each global batch (titan/data/loader.py), so the sample
+order, and a checkpoint's data position, do not depend on the data-parallel degree.
 """
 
 import glob
@@ -25,13 +31,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol
-
-import torch
-from torch.utils.data import IterableDataset
+from typing import NamedTuple, Protocol
 
 from titan.config.errors import ConfigError
-from titan.config.job import Training
 from titan.config.paths import PROJECT_ROOT, resolve_path
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
@@ -99,8 +101,9 @@ def read_documents(path: Path, origin: str) -> Iterator[str]:
     return read_text_documents(path, origin)
 
 
-def find_files(dataset_path: str, dataset: str) -> list[Path]:
-    """The files `dataset_path` names (a file, a folder or a glob), sorted so every rank sees one order."""
+def find_files(dataset_path: str, dataset: str, flag: str) -> list[Path]:
+    """The files `dataset_path` names (a file, a folder or a glob), sorted so every rank sees one order. `flag`
+    names where the path was given, for error messages."""
     resolved = resolve_path(dataset_path)
     if resolved.is_file():
         return [resolved]
@@ -109,17 +112,17 @@ def find_files(dataset_path: str, dataset: str) -> list[Path]:
                                                                                           dataset))
         kind = "non-hidden" if dataset == "text" else "*.jsonl or *.jsonl.gz"
         if not files:
-            raise ConfigError(f"--training.dataset_path {dataset_path!r} is a folder with no {kind} files. Put the "
-                              f"data there or point at another folder.")
+            raise ConfigError(f"{flag} {dataset_path!r} is a folder with no {kind} files. Put the data there or "
+                              f"point at another folder.")
         return files
     if any(c in dataset_path for c in "*?["):
         files = sorted(p for p in glob_paths(dataset_path) if p.is_file())
         if not files:
-            raise ConfigError(f"--training.dataset_path {dataset_path!r} is a glob that matches no file. Check the "
-                              f"pattern, and quote it so the shell leaves it alone.")
+            raise ConfigError(f"{flag} {dataset_path!r} is a glob that matches no file. Check the pattern, and "
+                              f"quote it so the shell leaves it alone.")
         return files
-    raise ConfigError(f"--training.dataset_path {dataset_path!r} does not exist (looked in the working directory "
-                      f"and the project root). Give a file, a folder or a glob.")
+    raise ConfigError(f"{flag} {dataset_path!r} does not exist (looked in the working directory and the project "
+                      f"root). Give a file, a folder or a glob.")
 
 
 def wanted_in_folder(relative: Path, dataset: str) -> bool:
@@ -140,9 +143,26 @@ class DocumentSource(Protocol):
     origin: str
     """The flag and value the documents come from, for error messages."""
 
-    def shard(self, dp_rank: int, dp_world_size: int) -> Iterator[str]:
-        """This rank's documents in a fixed order; a new call starts again from the first."""
+    def documents(self) -> Iterator[str]:
+        """Every document in a fixed order; a new call starts again from the first."""
         ...
+
+
+HELD_OUT_EVERY = 20
+"""One in this many documents of the shipped corpus is held out for validation (19 of its 404 documents, about 22k
+tokens: a few global batches of the debug job). Training never reads them, whether or not validation is on, so
+turning validation on cannot change a run's losses."""
+
+
+def is_held_out(text: str) -> bool:
+    """Whether a shipped document belongs to the validation split. A CRC-32 of its text rather than its position
+    keeps the split fixed when documents are added or reordered, and rather than hash() it is the same in every
+    process (Python salts str hashes per process)."""
+    return zlib.crc32(text.encode("utf-8")) % HELD_OUT_EVERY == 0
+
+
+def is_training_document(text: str) -> bool:
+    return not is_held_out(text)
 
 
 @dataclass(frozen=True)
@@ -150,58 +170,64 @@ class LocalDocuments:
     files: list[Path]
     read: Callable[[Path, str], Iterator[str]]
     origin: str
+    keep: Callable[[str], bool] | None = None
+    """Which documents to read, for the shipped corpus's training and validation splits; None: all."""
 
-    def shard(self, dp_rank: int, dp_world_size: int) -> Iterator[str]:
+    def documents(self) -> Iterator[str]:
         documents = (document for path in self.files for document in self.read(path, self.origin))
-        return itertools.islice(documents, dp_rank, None, dp_world_size)
+        return documents if self.keep is None else filter(self.keep, documents)
 
 
 class HuggingFaceDocuments:
     """The "text" column of a streamed Hugging Face dataset's train split."""
 
-    def __init__(self, name: str) -> None:
-        self.origin = f"--training.dataset_path {name!r}"
+    def __init__(self, name: str, dataset_flag: str, path_flag: str) -> None:
+        self.origin = f"{path_flag} {name!r}"
         try:
             import datasets
         except ImportError:
-            raise ConfigError("--training.dataset hf needs the `datasets` package, which is not installed. Run "
-                              "`pip install titan[hf]`, or use --training.dataset jsonl with local files.") from None
+            raise ConfigError(f"{dataset_flag} hf needs the `datasets` package, which is not installed. Run "
+                              f"`pip install titan[hf]`, or use {dataset_flag} jsonl with local files.") from None
         try:
             self._dataset = datasets.load_dataset(name, split="train", streaming=True)
         except (OSError, ValueError) as err:  # DatasetNotFoundError is a FileNotFoundError
-            raise ConfigError(f"--training.dataset_path {name!r} could not be opened as a Hugging Face dataset "
-                              f"({err}). Check the name, or download it and give the local folder.") from err
+            raise ConfigError(f"{self.origin} could not be opened as a Hugging Face dataset ({err}). Check the name, "
+                              f"or download it and give the local folder.") from err
 
-    def shard(self, dp_rank: int, dp_world_size: int) -> Iterator[str]:
-        from datasets.distributed import split_dataset_by_node
-
-        rows = split_dataset_by_node(self._dataset, rank=dp_rank, world_size=dp_world_size)
-        for row_number, row in enumerate(rows):
+    def documents(self) -> Iterator[str]:
+        for row_number, row in enumerate(self._dataset):
             text = row.get("text")
             if not isinstance(text, str):
-                raise ConfigError(f'{self.origin}: row {row_number} of rank {dp_rank}\'s shard has no string "text" '
-                                  f"column (columns: {', '.join(sorted(row))}). Use a dataset with a text column.")
+                raise ConfigError(f'{self.origin}: row {row_number} has no string "text" column (columns: '
+                                  f"{', '.join(sorted(row))}). Use a dataset with a text column.")
             yield text
 
 
-def build_document_source(training: Training) -> DocumentSource:
-    if training.dataset == "shipped":
-        return LocalDocuments([SHIPPED_CORPUS], read_jsonl_documents, "--training.dataset shipped")
-    assert training.dataset_path is not None, "config/validate.py requires --training.dataset_path here"
-    if training.dataset == "hf":
-        return HuggingFaceDocuments(training.dataset_path)
-    read = read_text_documents if training.dataset == "text" else read_jsonl_documents
-    return LocalDocuments(find_files(training.dataset_path, training.dataset), read,
-                          f"--training.dataset_path {training.dataset_path!r}")
+def build_document_source(dataset: str, dataset_path: str | None, dataset_flag: str, path_flag: str,
+                          held_out: bool = False) -> DocumentSource:
+    """The documents of `dataset` (shipped, text, jsonl, hf) at `dataset_path`. `dataset_flag` and `path_flag` name
+    the flags they came from in error messages ("--training.dataset", "--training.dataset_path"); `held_out` picks
+    the shipped corpus's validation documents instead of its training documents."""
+    if dataset == "shipped":
+        keep = is_held_out if held_out else is_training_document
+        return LocalDocuments([SHIPPED_CORPUS], read_jsonl_documents, f"{dataset_flag} shipped", keep)
+    assert dataset_path is not None, "config/validate.py requires a dataset path here"
+    if dataset == "hf":
+        return HuggingFaceDocuments(dataset_path, dataset_flag, path_flag)
+    read = read_text_documents if dataset == "text" else read_jsonl_documents
+    return LocalDocuments(find_files(dataset_path, dataset, path_flag), read, f"{path_flag} {dataset_path!r}")
 
 
 class Position(NamedTuple):
-    """Where the next window starts: `token_offset` tokens into document `document_index` (counted in this
-    rank's shard, BOS included) of pass `epoch` (0 is the first pass)."""
+    """Where the next window starts: `token_offset` tokens into document `document_index` (counted in the
+    source's documents, BOS included) of pass `epoch` (0 is the first pass)."""
 
     epoch: int
     document_index: int
     token_offset: int
+
+
+START = Position(epoch=0, document_index=0, token_offset=0)
 
 
 @dataclass
@@ -214,45 +240,57 @@ class Segment:
     start: int
 
 
-class PackedTokenDataset(IterableDataset):
-    """Endless (inputs, labels) pairs of int64 tensors of shape (seq_len,) from this rank's documents."""
+class PackedWindows:
+    """One source's documents packed into windows of seq_len + 1 token ids, from `position` on."""
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, dp_rank: int,
-                 dp_world_size: int) -> None:
+    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, name: str) -> None:
+        """`name` is the source's name in logs ("shipped", "jsonl:data/code.jsonl")."""
         self.source = source
         self.tokenizer = tokenizer
         self.seq_len = seq_len
-        self.dp_rank = dp_rank
-        self.dp_world_size = dp_world_size
-        self._position = Position(epoch=0, document_index=0, token_offset=0)
+        self.name = name
+        self.position = START
+        self._endless: Iterator[list[int]] | None = None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def next_window(self) -> list[int]:
+        """The window at `position` of the endless stream (epoch after epoch), which then moves past it."""
+        if self._endless is None:
+            self._endless = self.windows(loop=True)
+        return next(self._endless)
+
+    def restart_at(self, position: Position) -> None:
+        """Make `position` the next window's start (a resumed run's)."""
+        self.position = position
+        self._endless = None
+
+    def windows(self, loop: bool) -> Iterator[list[int]]:
+        """Windows from `position` on: forever with `loop`, else to the end of the current pass (the tokens of an
+        incomplete last window are dropped). `position` follows each window yielded."""
         window_len = self.seq_len + 1
         pending: deque[Segment] = deque()
         num_pending = 0
-        for segment in self._segments():
+        for segment in self._segments(loop):
             pending.append(segment)
             num_pending += len(segment.tokens) - segment.start
             while num_pending >= window_len:
-                window = torch.tensor(take_tokens(pending, window_len), dtype=torch.long)  # (seq_len + 1,)
+                window = take_tokens(pending, window_len)
                 num_pending -= window_len
                 if pending:
                     front = pending[0]
-                    self._position = Position(front.epoch, front.document_index, front.start)
+                    self.position = Position(front.epoch, front.document_index, front.start)
                 else:
-                    self._position = Position(segment.epoch, segment.document_index + 1, 0)
-                yield window[:-1], window[1:]
+                    self.position = Position(segment.epoch, segment.document_index + 1, 0)
+                yield window
 
-    def _segments(self) -> Iterator[Segment]:
-        """Tokenized documents from the current position on, epoch after epoch."""
-        epoch, first_document, offset = self._position
+    def _segments(self, loop: bool) -> Iterator[Segment]:
+        """Tokenized documents from the current position on: epoch after epoch with `loop`, else this pass's."""
+        epoch, first_document, offset = self.position
         while True:
             from_start = first_document == 0 and offset == 0
-            if from_start:
-                logger.info(f"Data: epoch {epoch} starts ({self.source.origin}, data-parallel rank {self.dp_rank} "
-                            f"of {self.dp_world_size})")
+            if from_start and loop:
+                logger.info(f"Data: source {self.name} starts epoch {epoch}")
             num_documents = num_tokens = 0
-            documents = itertools.islice(self.source.shard(self.dp_rank, self.dp_world_size), first_document, None)
+            documents = itertools.islice(self.source.documents(), first_document, None)
             for document_index, text in enumerate(documents, start=first_document):
                 if not text:
                     continue  # BOS + EOS alone would teach nothing
@@ -261,31 +299,21 @@ class PackedTokenDataset(IterableDataset):
                 num_tokens += len(tokens)
                 yield Segment(epoch, document_index, tokens, offset)
                 offset = 0
+            if not loop:
+                return
             if from_start:
                 self._check_epoch(num_documents, num_tokens)
             epoch, first_document, offset = epoch + 1, 0, 0
 
     def _check_epoch(self, num_documents: int, num_tokens: int) -> None:
-        """A shard without a full window per pass would only ever repeat itself inside one sequence."""
-        shard = "" if self.dp_world_size == 1 else f" for data-parallel rank {self.dp_rank} of {self.dp_world_size}"
+        """Data without a full window per pass would only ever repeat itself inside one sequence (and data without
+        any would loop forever)."""
         if num_documents == 0:
-            hint = " (fewer documents than data-parallel ranks?)" if self.dp_world_size > 1 else ""
-            raise ConfigError(f"{self.source.origin} has no documents with text{shard}{hint}. Point it at "
-                              f"non-empty data.")
+            raise ConfigError(f"{self.source.origin} has no documents with text. Point it at non-empty data.")
         if num_tokens < self.seq_len + 1:
-            raise ConfigError(f"{self.source.origin} has only {num_tokens} tokens{shard} per epoch, but one sequence "
-                              f"needs --training.seq_len {self.seq_len} + 1 = {self.seq_len + 1}. Lower "
+            raise ConfigError(f"{self.source.origin} has only {num_tokens} tokens per epoch, but one sequence needs "
+                              f"--training.seq_len {self.seq_len} + 1 = {self.seq_len + 1}. Lower "
                               f"--training.seq_len or add more data.")
-
-    def position(self) -> dict[str, int]:
-        """Where the next window starts, as plain JSON-able values (for anomaly records)."""
-        return self._position._asdict()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._position._asdict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._position = Position(**state_dict)
 
 
 def take_tokens(pending: deque[Segment], count: int) -> list[int]:

@@ -8,14 +8,14 @@ from typing import Protocol
 from titan.config.job import Metrics
 from titan.metrics.log import logger
 
-Record = dict[str, float | int | None]
+Record = dict[str, float | int | dict[str, int] | None]
 
 # Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU). Rates are over
 # the steps since the previous record; step_time_min_s/max_s are the logged step's time on the fastest and the
-# slowest rank (a straggler shows as a wide range).
+# slowest rank (a straggler shows as a wide range); tokens_by_source is the input tokens drawn from each source of
+# a --training.mixture since the run began (None for a single source).
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
-               "data_wait_pct", "eta_s",
-               "step_time_min_s", "step_time_max_s")
+               "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "tokens_by_source")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
 
@@ -61,6 +61,10 @@ class ConsoleSink:
         fastest, slowest = f"{record['step_time_min_s']:.2f}", f"{record['step_time_max_s']:.2f}"
         parts.append(("step_time_max_s", f"step {fastest}s" if fastest == slowest else f"step {fastest}-{slowest}s"))
         parts.append(("eta_s", f"eta {format_duration(record['eta_s'])}"))
+        if record["tokens_by_source"]:
+            total = sum(record["tokens_by_source"].values())
+            shares = " ".join(f"{name} {100 * tokens / total:.0f}%" for name, tokens in record["tokens_by_source"].items())
+            parts.append(("tokens_by_source", f"mixture {shares}"))
         logger.info("  ".join(self.paint(key, text) for key, text in parts))
 
     def write_validation(self, record: Record) -> None:
@@ -106,7 +110,10 @@ class TensorBoardSink:
     def write(self, record: Record) -> None:
         validation = is_validation(record)
         for key, value in record.items():
-            if key != "step" and value is not None:
+            if isinstance(value, dict):
+                for name, number in value.items():
+                    self.writer.add_scalar(f"train/{key}/{name}", number, record["step"])
+            elif key != "step" and value is not None:
                 tag = f"val/{key.removeprefix('val_')}" if validation else f"train/{key}"
                 self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()

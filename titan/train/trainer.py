@@ -16,7 +16,7 @@ from titan.checkpoint.dcp import Checkpointer, TrainState
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig
 from titan.config.load import to_toml
-from titan.data.loader import build_dataloader
+from titan.data.loader import build_dataloader, build_validation_batches
 from titan.data.tokenizer import build_tokenizer
 from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
@@ -120,9 +120,10 @@ class Trainer:
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
         dp_rank, dp_degree = data_parallel_rank(self.meshes)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
+        self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
+                                                            dp_degree) if cfg.validation.enable else None)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                         self.lr_scheduler, self.dataloader, self.device, dp_rank, dp_degree,
-                                         model_fqns)
+                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, model_fqns)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
@@ -485,5 +486,7 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
         record.update(self.meter.window(self.step, steps_in_window))
         record.update(self.stopper.step_times)
+        tokens_by_source = self.dataloader.dataset.tokens_per_source()
+        record["tokens_by_source"] = tokens_by_source if len(tokens_by_source) > 1 else None
         for sink in self.sinks:
             sink.write(record)
