@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import complete_steps
@@ -51,8 +53,19 @@ def launch(nprocs: int, action: str, folder: Path, *flags: str) -> subprocess.Co
     run_train.sh runs."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
                str(ROOT / "tests" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "TITAN_TEST_ACTION": action}
+    # One thread per process, as torchrun gives several ranks and as the tests in this process use.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "TITAN_TEST_ACTION": action, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Train in this process on one thread, like the launched ranks: the same losses bit for bit, and no threads
+    spinning against other processes for the machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
