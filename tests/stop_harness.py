@@ -8,7 +8,8 @@ ACTION is what rank RANK does right after its step STEP, before the step boundar
               passed it on to this rank
     stall     sleep far past --comm.train_timeout_seconds, in `stall_after_step` (the hang test finds that name in
               the rank's stack file)
-Everything else is train.py's: the config check, the Trainer, run_main and its exit codes.
+Without TITAN_TEST_ACTION it is train.py. Everything else is train.py's: the config check, the Trainer, run_main
+and its exit codes.
 """
 
 import os
@@ -59,6 +60,7 @@ def install(step: int, rank: int, action: str) -> None:
 
 
 if __name__ == "__main__":
-    at_step, at_rank, what = os.environ["TITAN_TEST_ACTION"].split(":")
-    install(int(at_step), int(at_rank), what)
+    if "TITAN_TEST_ACTION" in os.environ:
+        at_step, at_rank, what = os.environ["TITAN_TEST_ACTION"].split(":")
+        install(int(at_step), int(at_rank), what)
     sys.exit(train.main(sys.argv[1:]))

@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import complete_steps
@@ -33,7 +35,7 @@ def build_trainer(folder: Path, *flags: str) -> Trainer:
     return Trainer(load_job_config([*SMALL, "--job.dump_folder", str(folder), *flags], world_size=1), world_size=1)
 
 
-def act_after_step(trainer: Trainer, step: int, action, monkeypatch: pytest.MonkeyPatch) -> None:
+def act_after_step(trainer: Trainer, step: int, action: Callable[[], None], monkeypatch: pytest.MonkeyPatch) -> None:
     """Run `action()` at the end of `step` (every step for step 0), inside the real loop."""
     train_step = trainer.train_step
 
@@ -46,13 +48,26 @@ def act_after_step(trainer: Trainer, step: int, action, monkeypatch: pytest.Monk
     monkeypatch.setattr(trainer, "train_step", train_step_then_act)
 
 
-def launch(nprocs: int, action: str, folder: Path, *flags: str) -> subprocess.CompletedProcess:
-    """tests/stop_harness.py (train.py doing `action` at one step on one rank) under titan.launch, the launcher
-    run_train.sh runs."""
+def launch(nprocs: int, action: str | None, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    """tests/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) under
+    titan.launch, the launcher run_train.sh runs."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
                str(ROOT / "tests" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "TITAN_TEST_ACTION": action}
+    # One thread per process, as torchrun gives several ranks and as the tests in this process use.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
+    if action is not None:
+        env["TITAN_TEST_ACTION"] = action
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Train in this process on one thread, like the launched ranks: the same losses bit for bit, and no threads
+    spinning against other processes for the machine's cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +107,7 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: P
 def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
     """FSDP=2: only rank 1 gets SIGTERM, at step 13. Both ranks stop after step 13, with its checkpoint, exit code
     4 through the launcher; the same command again finishes the run with a straight run's losses, bit for bit."""
-    straight = launch(2, "0:0:none", tmp_path / "straight", *CHECKPOINT, *FSDP2)
+    straight = launch(2, None, tmp_path / "straight", *CHECKPOINT, *FSDP2)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     folder = tmp_path / "stopped"
     stopped = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)
