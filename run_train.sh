@@ -24,6 +24,7 @@ for arg in "$@"; do
 done
 
 # titan.launch is torchrun that checks NGPU, LOG_RANK and the config once before starting ranks, and passes a
-# failed rank's exit code through (2: config or data mistake, 3: non-finite loss).
+# failed rank's exit code through (2: config or data mistake, 3: diverged, 4: stopped early by a signal or
+# --job.time_limit, rerun to resume; 5: hung).
 exec "$PYTHON" -m titan.launch --standalone --nnodes=1 --nproc_per_node="$NGPU" \
     "$ROOT/train.py" --job.config_file "$CONFIG_FILE" "$@"

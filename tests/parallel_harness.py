@@ -75,6 +75,9 @@ def main() -> None:
     else:
         weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result = {"losses": losses, "weights": weights}
+    if trainer.validation_batches is not None:
+        # Evaluation under the same layout: the held-out loss of the trained weights, the same on every layout.
+        result["val_loss"] = trainer.run_validation().loss
     # A pipeline has no single forward to record; context parallel forwards only inside its attention context.
     if trainer.dims.dp_shard > 1 and not (trainer.dims.pp_enabled or trainer.dims.cp_enabled):
         result.update(forward_wire_record(trainer, next(data)[0]))

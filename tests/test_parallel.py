@@ -15,9 +15,11 @@ from torchrun import run_torchrun
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
 STEPS = 5
-# fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 5 steps move the weights visibly.
+# fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 5 steps move the weights visibly. Each run
+# ends with an evaluation of 2 held-out batches under its layout.
 BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1"]
+        "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
+        "--validation.enable", "--validation.steps", "2"]
 
 
 def run_harness(tmp_path: Path, name: str, nprocs: int, *flags: str) -> dict:
@@ -36,6 +38,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def assert_same_run(got: dict, ref: dict) -> None:
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
+    assert got["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
     assert got["weights"].keys() == ref["weights"].keys()
     # Adam divides by sqrt(v): where a gradient is near zero, reduction-order noise moves an update by up to
     # ~1e-5. Far below one step's size (lr 3e-3), so a wrong update would still fail.
