@@ -31,11 +31,20 @@ through a wrapper), and from the end of its own last action until every rank is 
 schedule's step lines up the ranks' windows, so the drain counts against the rank that finished first. The table
 shows each rank's idle share of the schedule's step and their mean, the number to compare with the ideal bubble.
 
+The cost of the production-run features (docs/production.md): seconds per step of the whole training loop
+(Trainer.run: data, logging, the per-step checks) without and with in-training evaluation, alternating runs, and
+the per-step checks alone (the stop/time-limit agreement, the spike and non-finite guard, the hang watchdog), with
+the latency of their one all-reduce between 2 gloo processes:
+
+    python scripts/benchmark.py --production
+    python scripts/benchmark.py --production --steps 100 -- --validation.freq 20
+
 Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -318,6 +327,78 @@ def pipeline_table(args: argparse.Namespace, argv: list[str]) -> None:
               flush=True)
 
 
+def timed_run(argv: list[str], flags: list[str]) -> tuple[float, list[dict]]:
+    """Wall seconds of Trainer.run() for `argv` + `flags` in a fresh dump folder, and its validation records."""
+    folder = Path("/tmp/titan_benchmark_production")
+    shutil.rmtree(folder, ignore_errors=True)
+    trainer = Trainer(load_job_config([*argv, "--job.dump_folder", str(folder), *flags], world_size=1), world_size=1)
+    start = time.perf_counter()
+    trainer.run()
+    seconds = time.perf_counter() - start
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return seconds, [record for record in records if "val_loss" in record]
+
+
+def per_step_check_seconds(argv: list[str], calls: int) -> float:
+    """Seconds of one step boundary's checks on one process: Stopper.start_step + end_step (signal and time-limit
+    agreement, step times, watchdog deadlines) and AnomalyGuard.inspect (non-finite and spike guard)."""
+    trainer = Trainer(load_job_config([*argv, "--job.dump_folder", "/tmp/titan_benchmark_production"], 1), 1)
+    with trainer.stopper.watching(trainer.meshes):
+        start = time.perf_counter()
+        for step in range(1, calls + 1):
+            trainer.stopper.start_step(step)
+            trainer.anomalies.inspect(step, 2.0, 1.0, trainer.dataloader.dataset.position())
+            trainer.stopper.end_step(step, saving=False)
+        return (time.perf_counter() - start) / calls
+
+
+def measure_agreement_rank(rank: int, port: int, calls: int, results: SimpleQueue) -> None:
+    """One of 2 forked gloo ranks timing the step boundary's all-reduce (4 float64, MAX); rank 0 reports."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    values = torch.zeros(4, dtype=torch.float64)
+    for _ in range(10):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        results.put((time.perf_counter() - start) / calls)
+    dist.destroy_process_group()
+
+
+def production_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """Seconds per step of the whole loop without and with evaluation (median of alternating runs), and the
+    per-step checks alone."""
+    steps = args.steps
+    logger.setLevel(logging.WARNING)  # the table is the output
+    variants = {"no validation": [], "validation": ["--validation.enable"]}
+    if not any(flag.startswith("--validation.freq") for flag in argv):
+        variants["validation"] += ["--validation.freq", str(max(steps // 5, 1))]
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    evaluations: list[dict] = []
+    for _ in range(max(args.repeats, 3)):
+        for name, flags in variants.items():
+            run_seconds, records = timed_run(argv, ["--training.steps", str(steps), "--metrics.log_freq",
+                                                    str(steps), *flags])
+            seconds[name].append(run_seconds)
+            evaluations = records or evaluations
+    base = statistics.median(seconds["no validation"]) / steps
+    print(f"{'loop':<16} {'s/step':>8} {'overhead':>9}   ({steps} steps, median of {len(seconds['validation'])} "
+          f"alternating runs)")
+    for name, runs in seconds.items():
+        per_step = statistics.median(runs) / steps
+        print(f"{name:<16} {per_step:8.4f} {100 * (per_step / base - 1):8.1f}%")
+    val_seconds = statistics.median(record["val_seconds"] for record in evaluations)
+    print(f"one evaluation: {val_seconds:.3f} s for {evaluations[0]['val_tokens']:,} tokens; "
+          f"{len(evaluations)} evaluations per run")
+    checks = per_step_check_seconds([*argv, "--training.steps", "1000000"], calls=2000)
+    results = torch.multiprocessing.get_context("fork").SimpleQueue()
+    torch.multiprocessing.start_processes(measure_agreement_rank, (get_free_port(), 2000, results), nprocs=2,
+                                          start_method="fork")
+    print(f"per-step checks, one process: {checks * 1e6:.1f} us ({100 * checks / base:.3f}% of a step); their "
+          f"all-reduce between 2 gloo processes: {results.get() * 1e6:.1f} us")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int,
@@ -332,6 +413,8 @@ def main() -> None:
     parser.add_argument("--pipeline", nargs="*", choices=PIPELINE_SCHEDULES, metavar="SCHEDULE",
                         help="step time and idle share of each pipeline schedule over 2 ranks and 2, 4 and 8 "
                              f"micro-batches (default: {' '.join(DEFAULT_PIPELINE_SCHEDULES)})")
+    parser.add_argument("--production", action="store_true",
+                        help="seconds per step without and with evaluation, and the per-step checks' cost")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     if args.steps is None:
@@ -352,6 +435,9 @@ def main() -> None:
         return
     if args.pipeline is not None:
         pipeline_table(args, argv)
+        return
+    if args.production:
+        production_table(args, argv)
         return
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     t = trainer.cfg.training
