@@ -50,3 +50,10 @@ def test_resume_with_validation_is_exact(tmp_path: Path) -> None:
 def test_validation_seq_len_longer_than_training_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--validation.seq_len"):
         load_job_config(["--training.seq_len", "64", "--validation.enable", "--validation.seq_len", "128"], 1)
+
+
+def test_validation_under_the_v_schedule_is_a_config_error() -> None:
+    flags = ["--validation.enable", "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4"]
+    with pytest.raises(ConfigError, match="--validation.enable can't run under --parallelism.pipeline_parallel_schedule"):
+        load_job_config(flags, 2)

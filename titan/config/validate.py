@@ -372,7 +372,15 @@ def check_validation_pipeline(cfg: JobConfig, world_size: int) -> list[str]:
     v, t, pp = cfg.validation, cfg.training, cfg.parallelism.pipeline_parallel_degree
     if not v.enable or pp == 1:
         return []
-    return [f"--validation.{name} {value} must equal --training.{name} {training_value} under "
+    schedule = cfg.parallelism.pipeline_parallel_schedule
+    problems = []
+    if schedule == "ZBVZeroBubble":
+        # torch's V schedule cannot run forward only: its eval() fails with "can't steal_bwd_input if this stage
+        # doesn't have backward" (torch 2.11 to 2.13).
+        problems.append("--validation.enable can't run under --parallelism.pipeline_parallel_schedule ZBVZeroBubble: "
+                        "torch's V schedule has no forward-only pass. Use InterleavedZeroBubble (same zero-bubble "
+                        "idea, looped stages) or turn validation off.")
+    return problems + [f"--validation.{name} {value} must equal --training.{name} {training_value} under "
             f"--parallelism.pipeline_parallel_degree {pp}: the pipeline schedule's micro-batch shapes are fixed. Use "
             f"--validation.{name} {training_value} or leave it unset."
             for name, value, training_value in (("local_batch_size", v.local_batch_size, t.local_batch_size),

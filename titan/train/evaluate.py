@@ -38,20 +38,26 @@ class EvalResult:
 
 def evaluate(batches: Iterable[Batch], batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
              global_sum: Callable[[torch.Tensor], torch.Tensor], num_loss_shares: int, tokens_per_batch: int,
-             device: torch.device) -> EvalResult:
+             device: torch.device, compiled: bool) -> EvalResult:
     """Mean loss over `batches`, this rank's share of each global validation batch.
 
     `batch_loss(inputs, labels)` is this rank's mean token loss of one batch (zero on ranks whose loss another rank
     computes, such as pipeline stages before the last); `global_sum` adds a tensor over the ranks that hold loss
     shares, `num_loss_shares` of them (data x context parallel). Every batch has the same number of tokens, so the
     mean of the batch means is the mean per token. `tokens_per_batch` counts one batch over all data-parallel ranks.
+
+    Without gradients, except for a `compiled` model: its blocks then run the graphs compiled for training instead
+    of compiling forward-only ones (which, for tensor-parallel blocks, fail inside torch 2.13's DTensor subclass
+    wrapper: "'Tensor' object has no attribute 'elem'"). No backward runs, so each batch's graph is freed with its
+    loss and no gradient changes.
     """
     start = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     num_batches = 0
-    with torch.no_grad():
+    with torch.enable_grad() if compiled else torch.no_grad():
         for inputs, labels in batches:
-            loss_sum += batch_loss(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            loss = batch_loss(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
+            loss_sum += loss.detach()
             num_batches += 1
     total = global_sum(loss_sum).item()
     loss = total / (num_loss_shares * num_batches)

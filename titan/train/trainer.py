@@ -355,7 +355,7 @@ class Trainer:
         batches = self.validation_batches
         tokens_per_batch = batches.local_batch_size * batches.seq_len * self.dims.dp_degree
         result = evaluate(batches, self.evaluation_loss, self.loss_sum, self.dims.dp_degree * self.dims.cp,
-                          tokens_per_batch, self.device)
+                          tokens_per_batch, self.device, compiled=self.cfg.training.compile)
         for part in self.model_parts:
             part.train()
         return result
