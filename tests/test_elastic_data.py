@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from train_script import losses_by_step, run_train
+from train_script import losses_by_step, metric_records, run_train
 
 STEPS = 6
 # fp32, short sequences, a log record every step, checkpoints at steps 3 and 6
@@ -65,6 +65,10 @@ def test_fsdp2_trains_on_one_process_samples_and_resumes_across_degrees(tmp_path
     on_one = resume_from_step_3(fsdp2, tmp_path / "fsdp2_to_one", 1, *ONE_PROCESS_ACCUMULATING, *mixture)
     assert [on_one[s] for s in range(4, STEPS + 1)] == pytest.approx(
         [fsdp2_losses[s] for s in range(4, STEPS + 1)], abs=1e-5)
+    # Tokens per source count the whole global batch (6 steps x 4 sequences x 32 tokens) and resume with the data.
+    drawn = metric_records(fsdp2)[-1]["tokens_by_source"]
+    assert sum(drawn.values()) == STEPS * 4 * 32 and len(drawn) == 2 and min(drawn.values()) > 0
+    assert metric_records(tmp_path / "fsdp2_to_one")[-1]["tokens_by_source"] == drawn
     on_two = resume_from_step_3(one, tmp_path / "one_to_fsdp2", 2, *FSDP2, *mixture)
     assert [on_two[s] for s in range(4, STEPS + 1)] == pytest.approx(
         [one_losses[s] for s in range(4, STEPS + 1)], abs=1e-5)
