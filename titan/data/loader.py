@@ -23,8 +23,12 @@ from titan.data.mixture import MixedWindows
 from titan.data.tokenizer import Tokenizer
 
 
-def batch_tensors(windows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels), both int64 of shape (len(windows), seq_len), from windows of seq_len + 1 ids."""
+def rank_batch(global_batch: list[list[int]], dp_rank: int,
+               local_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank `dp_rank`'s (inputs, labels) of a global batch of windows of seq_len + 1 ids: its
+    `local_batch_size` windows, both int64 of shape (local_batch_size, seq_len)."""
+    first = dp_rank * local_batch_size
+    windows = global_batch[first : first + local_batch_size]
     batch = torch.tensor(windows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
@@ -43,9 +47,8 @@ class DataParallelLoader:
         """Batches from the stream's current position; the position lives in `dataset`, so an iterator made before
         load_state_dict() continues from the loaded position."""
         while True:
-            windows = self.dataset.take(self.local_batch_size * self.dp_degree)
-            first = self.dp_rank * self.local_batch_size
-            yield batch_tensors(windows[first : first + self.local_batch_size])
+            yield rank_batch(self.dataset.take(self.local_batch_size * self.dp_degree), self.dp_rank,
+                             self.local_batch_size)
 
     def state_dict(self) -> dict[str, Any]:
         """The global stream's position, the same on every rank and for every layout."""
@@ -98,9 +101,8 @@ class ValidationBatches:
             yield windows
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        first = self.dp_rank * self.local_batch_size
         for windows in self.global_batches():
-            yield batch_tensors(windows[first : first + self.local_batch_size])
+            yield rank_batch(windows, self.dp_rank, self.local_batch_size)
 
 
 def build_validation_batches(tokenizer: Tokenizer, validation: Validation, training: Training, dp_rank: int,
