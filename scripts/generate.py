@@ -28,7 +28,7 @@ from titan.checkpoint.hf import (
     titan_shapes,
 )
 from titan.models.llama.args import ModelArgs, build_model_args
-from titan.models.llama.model import Transformer, precompute_freqs_cis
+from titan.models.llama.model import Transformer, precompute_rope_cache
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
@@ -61,7 +61,7 @@ def build_model(args: ModelArgs, state_dict: dict[str, Tensor], device: torch.de
         model = Transformer(args)
     model.load_state_dict({fqn: tensor.to(device, torch.float32) for fqn, tensor in state_dict.items()}, assign=True)
     with torch.device(device):
-        model.freqs_cis = precompute_freqs_cis(args)
+        model.rope_cache = precompute_rope_cache(args)
     return model.eval()
 
 

@@ -44,7 +44,7 @@ from titan.models.llama.model import (
     Attention,
     Transformer,
     apply_rotary_emb,
-    precompute_freqs_cis,
+    precompute_rope_cache,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_titan_hf_titan_round_trip_is_exact(debug_model: Transformer) -> None:
 
 
 def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
-    """Titan's complex-pair RoPE on Titan weights vs HF's rotate-half RoPE, written here from its formula
+    """Titan's interleaved-pair RoPE on Titan weights vs HF's rotate-half RoPE, written here from its formula
     (q cos + rotate_half(q) sin with the angles repeated over both halves), on the exported weights."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32,
                      rope_scaling=SHORT_CONTEXT_SCALING)
@@ -210,11 +210,11 @@ def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
     torch.manual_seed(0)
     attention = Attention(args)
     x = torch.randn(1, seq, args.dim)
-    freqs_cis = precompute_freqs_cis(args)  # (max_seq_len, head_dim // 2): e^(i * position * freq)
+    rope_cache = precompute_rope_cache(args)  # (max_seq_len, head_dim // 2, 2): cos and sin of position * freq
 
     def rotate_half_rope(t: torch.Tensor) -> torch.Tensor:
-        cos = torch.cat([freqs_cis.real, freqs_cis.real], dim=-1)[:seq, None, :]  # (seq, 1, head_dim)
-        sin = torch.cat([freqs_cis.imag, freqs_cis.imag], dim=-1)[:seq, None, :]  # (seq, 1, head_dim)
+        cos = rope_cache[..., 0].repeat(1, 2)[:seq, None, :]  # (seq, 1, head_dim): the angles over both halves
+        sin = rope_cache[..., 1].repeat(1, 2)[:seq, None, :]  # (seq, 1, head_dim)
         rotated = torch.cat([-t[..., head_dim // 2:], t[..., : head_dim // 2]], dim=-1)
         return t * cos + rotated * sin
 
@@ -222,8 +222,8 @@ def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
         k = k.repeat_interleave(args.n_heads // args.n_kv_heads, dim=2)  # query head h reads kv head h // n_rep
         return torch.einsum("bqhd,bkhd->bhqk", q, k)
 
-    titan_q = apply_rotary_emb(attention.wq(x).view(1, seq, args.n_heads, head_dim), freqs_cis)
-    titan_k = apply_rotary_emb(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim), freqs_cis)
+    titan_q = apply_rotary_emb(attention.wq(x).view(1, seq, args.n_heads, head_dim), rope_cache)
+    titan_k = apply_rotary_emb(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim), rope_cache)
     hf_wq = interleaved_to_rotate_half(attention.wq.weight, args.n_heads)
     hf_wk = interleaved_to_rotate_half(attention.wk.weight, args.n_kv_heads)
     hf_q = rotate_half_rope((x @ hf_wq.T).view(1, seq, args.n_heads, head_dim))

@@ -21,7 +21,8 @@ from titan.models.llama import (
     padded_vocab_size,
 )
 from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
-from titan.models.llama.model import Attention, apply_rotary_emb, precompute_freqs_cis, scale_rope_frequencies
+from titan.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+from reference.rope_ref import complex_rope, complex_rotation_table
 
 VOCAB = 2256  # the shipped tokenizer's odd size
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64)
@@ -95,8 +96,30 @@ def rotate_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
 def test_rope_matches_rotation_reference() -> None:
     args = ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, rope_theta=10000.0, max_seq_len=16)
     x = torch.randn(2, 12, 3, 16)
-    got = apply_rotary_emb(x, precompute_freqs_cis(args))
+    got = apply_rotary_emb(x, precompute_rope_cache(args))
     torch.testing.assert_close(got.double(), rotate_reference(x, 10000.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_real_rope_equals_complex_reference(dtype: torch.dtype) -> None:
+    """The real cos/sin rotation is Meta's complex product written out: the same fp32 products and sums, so
+    equal up to the rounding order inside complex multiplication (a few fp32 ulps; at most 1 bf16 ulp after the
+    cast back), with and without Llama 3.1 frequency scaling."""
+    for scaling in (None, LLAMA31_ROPE_SCALING):
+        args = ModelArgs(dim=256, n_layers=1, n_heads=2, n_kv_heads=2, rope_scaling=scaling, max_seq_len=64)
+        freqs = 1.0 / (args.rope_theta ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
+        if scaling is not None:
+            freqs = scale_rope_frequencies(freqs, scaling)
+        table = complex_rotation_table(128, 64, args.rope_theta, freqs)
+        torch.manual_seed(0)
+        x = (4 * torch.randn(2, 48, 3, 128)).to(dtype)
+        got, want = apply_rotary_emb(x, precompute_rope_cache(args)), complex_rope(x, table)
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        else:
+            # One bf16 ulp at the value's magnitude: 2^-7 relative.
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
 
 
 def scale_reference(freq: float, s: RopeScaling) -> float:
@@ -125,8 +148,8 @@ def test_scaled_table_uses_scaled_frequencies() -> None:
     args = ModelArgs(dim=256, n_layers=1, n_heads=2, n_kv_heads=2, rope_scaling=LLAMA31_ROPE_SCALING,
                      max_seq_len=4)
     freqs = 1.0 / (500000.0 ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
-    torch.testing.assert_close(precompute_freqs_cis(args)[1].angle(),
-                               scale_rope_frequencies(freqs, LLAMA31_ROPE_SCALING))
+    cos, sin = precompute_rope_cache(args)[1].unbind(-1)  # position 1: the angle is the frequency
+    torch.testing.assert_close(torch.atan2(sin, cos), scale_rope_frequencies(freqs, LLAMA31_ROPE_SCALING))
 
 
 def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
@@ -141,8 +164,8 @@ def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
             kv = getattr(gqa, name).weight.view(2, head_dim, 64)  # (kv_heads, head_dim, dim)
             getattr(mha, name).weight.copy_(kv.repeat_interleave(2, dim=0).reshape(4 * head_dim, 64))
     x = torch.randn(2, 10, 64)
-    freqs_cis = precompute_freqs_cis(gqa_args)
-    torch.testing.assert_close(gqa(x, freqs_cis), mha(x, freqs_cis))
+    rope_cache = precompute_rope_cache(gqa_args)
+    torch.testing.assert_close(gqa(x, rope_cache), mha(x, rope_cache))
 
 
 def test_future_tokens_do_not_change_earlier_logits() -> None:
@@ -173,7 +196,7 @@ def test_meta_build_and_init_is_deterministic() -> None:
     first, second = build(SMALL, seed=7), build(SMALL, seed=7)
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(first.freqs_cis, precompute_freqs_cis(SMALL))
+    torch.testing.assert_close(first.rope_cache, precompute_rope_cache(SMALL))
     assert not torch.equal(build(SMALL, seed=8).output.weight, first.output.weight)
 
 

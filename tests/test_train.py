@@ -172,6 +172,30 @@ def test_nan_loss_stops_at_that_step(tmp_path: Path, nan_at_step_3) -> None:
     assert trainer.optimizer.state[next(trainer.model.parameters())]["step"].item() == 2  # no step on the nan
 
 
+class ScalarReads(TorchDispatchMode):
+    """Counts reads of one tensor element to the host (.item(), float(t)): each is a blocking device sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_train_step_reads_loss_and_norm_in_one_transfer(tmp_path: Path) -> None:
+    """The NaN guard needs the loss and the gradient norm on the host every step; they come back together in one
+    tensor (.tolist(), one copy), not one .item() each."""
+    trainer = build_trainer(tmp_path, "--training.steps", "2")
+    data_iterator = iter(trainer.dataloader)
+    trainer.step = 1
+    with ScalarReads() as reads:
+        loss, grad_norm, anomaly = trainer.train_step(data_iterator)
+    assert reads.count == 0
+    assert math.isfinite(loss) and grad_norm > 0 and anomaly is None
+
+
 def test_nonfinite_grad_is_named() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     for p in model.parameters():

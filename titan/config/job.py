@@ -45,7 +45,7 @@ class Job:
 class Model:
     name: Literal["llama3"] = "llama3"
     """Model family to build."""
-    flavor: Literal["debugmodel", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
+    flavor: Literal["debugmodel", "debugmodel_mha", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
     """Model size: debugmodel (tiny, trains on CPU), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims)."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
     """Tokenizer file in tiktoken format (base64 token and rank per line), e.g. Llama 3's tokenizer.model."""
@@ -73,8 +73,9 @@ class Optimizer:
     """Adam denominator epsilon."""
     weight_decay: NonNegativeFloat = 0.1
     """Weight decay coefficient."""
-    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
-    """Optimizer kernel: foreach (multi-tensor, default), fused (single kernel; CUDA or CPU), for-loop."""
+    implementation: Literal["for-loop", "foreach", "fused"] = "fused"
+    """Optimizer kernel: fused (one kernel updates every parameter; foreach on a device torch has no fused Adam
+    kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time)."""
 
 
 @dataclass

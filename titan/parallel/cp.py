@@ -3,7 +3,7 @@ values so that each rank's rows equal those of causal attention over the whole s
 
 Layout (head-tail, as torch's `_HeadTailLoadBalancer`): the sequence is cut into 2 * cp chunks and cp rank r holds
 chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Inputs,
-labels and `freqs_cis` are all sharded with `shard_sequence`, so rotary positions follow the tokens.
+labels and `rope_cache` are all sharded with `shard_sequence`, so rotary positions follow the tokens.
 
 Attention: on CUDA, torch's ring attention (`context_parallel`), whose dispatcher only covers the CUDA SDPA
 kernels (flash, efficient, cudnn). Elsewhere (CPU tests), the same two rotate methods written here with
@@ -133,12 +133,16 @@ def _causal_only(attention: ShardedAttention) -> Callable[..., Tensor]:
     def sharded_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                      dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                      enable_gqa: bool = False) -> Tensor:
-        if attn_mask is not None or dropout_p != 0.0 or not is_causal or enable_gqa:
+        if attn_mask is not None or dropout_p != 0.0 or not is_causal:
             raise NotImplementedError(
                 f"Context parallel attention only supports scaled_dot_product_attention(q, k, v, is_causal=True) "
                 f"(got attn_mask={'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}, "
-                f"is_causal={is_causal}, enable_gqa={enable_gqa}). Set --parallelism.context_parallel_degree 1 "
-                f"for other attention masks.")
+                f"is_causal={is_causal}). Set --parallelism.context_parallel_degree 1 for other attention masks.")
+        if enable_gqa:
+            # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
+            # enable_gqa reads them. (bs, kv_heads, local_seq, head_dim) -> (bs, heads, local_seq, head_dim).
+            n_rep = query.size(1) // key.size(1)
+            key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
         return attention(query, key, value, scale)
 
     return sharded_sdpa

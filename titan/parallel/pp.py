@@ -20,13 +20,13 @@ class StageModel(nn.Module):
     (bs, seq), the last returns logits (bs, seq, padded_vocab), the others take and return hidden states
     (bs, seq, dim). Absent parts are None."""
 
-    def __init__(self, args: ModelArgs, freqs_cis: Tensor, layers: dict[str, nn.Module],
+    def __init__(self, args: ModelArgs, rope_cache: Tensor, layers: dict[str, nn.Module],
                  tok_embeddings: nn.Module | None = None, norm: nn.Module | None = None,
                  output: nn.Module | None = None) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = tok_embeddings
-        self.register_buffer("freqs_cis", freqs_cis, persistent=False)
+        self.register_buffer("rope_cache", rope_cache, persistent=False)
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
         self.output = output
@@ -34,14 +34,14 @@ class StageModel(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.rope_cache)
         return self.output(self.norm(h)) if self.output is not None else h
 
 
 def build_stage_models(model: Transformer, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
     """The stages `ids` of `model` (still on meta), sharing its modules: each block goes to exactly one stage."""
     last = plan.num_stages - 1
-    return [StageModel(model.args, model.freqs_cis, {str(i): model.layers[str(i)] for i in plan.blocks[stage]},
+    return [StageModel(model.args, model.rope_cache, {str(i): model.layers[str(i)] for i in plan.blocks[stage]},
                        tok_embeddings=model.tok_embeddings if stage == 0 else None,
                        norm=model.norm if stage == last else None, output=model.output if stage == last else None)
             for stage in ids]
@@ -54,7 +54,7 @@ def merge_stage_models(parts: list[StageModel]) -> StageModel:
         return next((getattr(part, name) for part in parts if getattr(part, name) is not None), None)
 
     layers = {layer_id: block for part in parts for layer_id, block in part.layers.items()}
-    return StageModel(parts[0].args, parts[0].freqs_cis, layers, tok_embeddings=present("tok_embeddings"),
+    return StageModel(parts[0].args, parts[0].rope_cache, layers, tok_embeddings=present("tok_embeddings"),
                       norm=present("norm"), output=present("output"))
 
 

@@ -173,7 +173,7 @@ class Trainer:
         --training.seq_len rows)."""
         cp_mesh = self.meshes.cp
         for part in self.model_parts:
-            part.freqs_cis = shard_sequence(part.freqs_cis, 0, cp_mesh.get_local_rank(), cp_mesh.size())
+            part.rope_cache = shard_sequence(part.rope_cache, 0, cp_mesh.get_local_rank(), cp_mesh.size())
         path = describe_cp_path(self.device.type, self.cfg.parallelism.context_parallel_rotate_method)
         logger.info(f"Context parallel over {self.dims.cp} ranks: each holds 2 of {2 * self.dims.cp} chunks of every "
                     f"sequence. {path}")
@@ -271,7 +271,8 @@ class Trainer:
                 else:
                     loss_sum += self.forward_backward(inputs, labels)
         grad_norm = self.clip_gradients()
-        loss_value, norm_value = self.global_mean(loss_sum).item(), grad_norm.item()
+        # One device-to-host read per step for both values: each .item() would stall a GPU's launch queue.
+        loss_value, norm_value = torch.stack([self.global_mean(loss_sum), grad_norm.float()]).tolist()
         self.current_lr = self.optimizer.param_groups[0]["lr"]
         anomaly = self.anomalies.inspect(self.step, loss_value, norm_value, data_position)
         if anomaly is None or anomaly.applied:

@@ -74,6 +74,7 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
 # untied (a separate `output` matrix), which adds vocab*dim parameters: 1.50B and 3.61B with Llama 3's vocab.
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, max_seq_len=2048),
+    "debugmodel_mha": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, max_seq_len=2048),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
                     rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,

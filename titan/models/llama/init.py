@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.model import TransformerBlock, precompute_freqs_cis
+from titan.models.llama.model import TransformerBlock, precompute_rope_cache
 
 # nn.init.trunc_normal_'s default cutoffs are +-2 in absolute value (100 std at 0.02): in practice a plain
 # normal. Kept as torchtitan has it; only the output layer is truncated at 3 std.
@@ -37,13 +37,13 @@ def init_block(block: TransformerBlock, output_std: float) -> None:
 def init_weights(model: nn.Module, buffer_device: torch.device | str | None = None) -> None:
     """Fill every parameter of a Transformer, or of a module holding some of its parts under the same names
     (tok_embeddings, layers, norm, output; absent parts are None), and rebuild the rotary table on buffer_device
-    (None: where freqs_cis is now).
+    (None: where rope_cache is now).
 
     Embeddings get std 1: they feed an RMSNorm, so their scale only sets the residual stream's.
     The output layer gets std dim**-0.5, so initial logits have about unit variance.
     """
-    with torch.device(buffer_device or model.freqs_cis.device):
-        model.freqs_cis = precompute_freqs_cis(model.args)
+    with torch.device(buffer_device or model.rope_cache.device):
+        model.rope_cache = precompute_rope_cache(model.args)
     if model.tok_embeddings is not None:
         nn.init.normal_(model.tok_embeddings.weight)
     # Keys, not positions, give the layer id: they stay the original ids even if the ModuleDict is edited.

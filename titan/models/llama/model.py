@@ -1,6 +1,6 @@
 """Llama 3 transformer: pure math on plain nn.Linear / nn.Embedding, built on meta and filled by init.py.
 
-Rotary embeddings use Meta's layout: adjacent channels (2i, 2i+1) of each head form one complex pair.
+Rotary embeddings use Meta's layout: adjacent channels (2i, 2i+1) of each head form one rotated pair.
 Hugging Face checkpoints use the rotate-half layout, so importing them needs wq/wk rows permuted.
 """
 
@@ -33,32 +33,29 @@ def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
     return torch.where(wavelen < context / scaling.high_freq_factor, freqs, low_scaled)
 
 
-def precompute_freqs_cis(args: ModelArgs) -> Tensor:
-    """Rotation e^(i * position * freq) for every position up to max_seq_len and every channel pair of a
-    head: complex64 of shape (max_seq_len, head_dim // 2), on the current default device."""
+def precompute_rope_cache(args: ModelArgs) -> Tensor:
+    """cos and sin of position * freq for every position up to max_seq_len and every channel pair of a head:
+    fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
+    Real tables rather than Meta's complex e^(i * position * freq): inductor generates no code for complex ops."""
     head_dim = args.dim // args.n_heads
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if args.rope_scaling is not None:
         freqs = scale_rope_frequencies(freqs, args.rope_scaling)
     positions = torch.arange(args.max_seq_len, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
-    return torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # (max_seq_len, head_dim // 2, 2)
 
 
-def apply_rotary_emb(x: Tensor, freqs_cis: Tensor) -> Tensor:
-    """Rotate each channel pair of x (bs, seq, heads, head_dim) by its position's angle, in fp32."""
+def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
+    """Rotate each channel pair (2i, 2i+1) of x (bs, seq, heads, head_dim) by its position's angle, in fp32:
+    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals."""
     bs, seq, heads, head_dim = x.shape
-    # (bs, seq, heads, head_dim // 2, 2) -> complex (bs, seq, heads, head_dim // 2)
-    pairs = torch.view_as_complex(x.float().reshape(bs, seq, heads, head_dim // 2, 2))
-    rotation = freqs_cis[:seq].view(1, seq, 1, head_dim // 2)  # (1, seq, 1, head_dim // 2): same for every head
-    return torch.view_as_real(pairs * rotation).flatten(3).type_as(x)  # (bs, seq, heads, head_dim)
-
-
-def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
-    """Grouped-query attention: kv head j serves query heads j*n_rep ... j*n_rep + n_rep - 1."""
-    bs, seq, kv_heads, head_dim = x.shape
-    expanded = x[:, :, :, None, :].expand(bs, seq, kv_heads, n_rep, head_dim)  # (bs, seq, kv_heads, n_rep, head_dim)
-    return expanded.reshape(bs, seq, kv_heads * n_rep, head_dim)  # (bs, seq, kv_heads * n_rep, head_dim)
+    # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
+    first, second = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
+    # Each (1, seq, 1, head_dim // 2): the same rotation for every head.
+    cos, sin = rope_cache[:seq].view(1, seq, 1, head_dim // 2, 2).unbind(-1)
+    rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
 
 
 class Attention(nn.Module):
@@ -74,15 +71,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_heads, head_dim): -1 since TP may shard heads
         k = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
-        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)  # (bs, seq, local_heads, head_dim)
-        # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
+        # SDPA wants heads before seq: (bs, local_heads, seq, head_dim). With grouped-query attention, enable_gqa
+        # has query head h read kv head h // n_rep in place, where expanding k and v first would copy them.
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                             enable_gqa=self.n_rep > 1)
         out = out.transpose(1, 2).reshape(bs, seq, -1)  # (bs, seq, local_heads * head_dim)
         return self.wo(out)
 
@@ -110,8 +108,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: Tensor, freqs_cis: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -130,7 +128,7 @@ class Transformer(nn.Module):
         padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
         self.tok_embeddings = nn.Embedding(padded_vocab, args.dim)
         # Not persistent: it is a function of args, so checkpoints needn't carry it; init_weights rebuilds it.
-        self.register_buffer("freqs_cis", precompute_freqs_cis(args), persistent=False)
+        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
         self.layers = nn.ModuleDict({str(layer_id): TransformerBlock(args) for layer_id in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, padded_vocab, bias=False)
@@ -139,7 +137,7 @@ class Transformer(nn.Module):
         """tokens (bs, seq) -> logits (bs, seq, padded_vocab)."""
         h = self.tok_embeddings(tokens)  # (bs, seq, dim)
         for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+            h = layer(h, self.rope_cache)
         return self.output(self.norm(h))
 
     def user_logits(self, tokens: Tensor) -> Tensor:
