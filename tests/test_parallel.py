@@ -4,10 +4,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.models.llama import ModelArgs, Transformer, cross_entropy_loss, init_weights
+from titan.parallel.ac import apply_ac
+from titan.parallel.compile import apply_compile
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 from torchrun import run_torchrun
@@ -59,9 +63,14 @@ def test_data_parallel_matches_one_process(tmp_path: Path, reference: dict, name
     assert_same_run(got, reference)
 
 
-def test_tensor_parallel_matches_one_process(tmp_path: Path, reference: dict) -> None:
-    got = run_harness(tmp_path, "tp2", 2, "--training.local_batch_size", "4",
-                      "--parallelism.tensor_parallel_degree", "2")
+@pytest.mark.parametrize("name, flags", [
+    ("tp2", []),
+    # Checkpointed blocks keep their attention and reduce-scatter outputs (save_attention) on DTensors.
+    ("tp2_full_ac", ["--activation_checkpoint.mode", "full"]),
+])
+def test_tensor_parallel_matches_one_process(tmp_path: Path, reference: dict, name: str, flags: list[str]) -> None:
+    got = run_harness(tmp_path, name, 2, "--training.local_batch_size", "4",
+                      "--parallelism.tensor_parallel_degree", "2", *flags)
     assert_same_run(got, reference)
 
 
@@ -237,6 +246,79 @@ def test_activation_checkpointing_modes_give_the_same_losses(tmp_path: Path) -> 
                         ("every2", ["--activation_checkpoint.mode", "selective",
                                     "--activation_checkpoint.selective_ac_option", "2"])]:
         torch.testing.assert_close(run_losses(tmp_path / name, *flags), none, rtol=1e-6, atol=0, msg=name)
+
+
+SMALL_MODEL = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=2256, max_seq_len=64)
+# (mode, selective_ac_option) of the two layouts that checkpoint whole blocks.
+WHOLE_BLOCK_AC = {"full": ("full", "op"), "every2": ("selective", "2")}
+
+
+def build_small_model(ac: tuple[str, str, bool] | None, compiled: bool = False) -> Transformer:
+    """A 4-block model checkpointed as `ac` says (mode, selective option, save_attention; None: no AC), then
+    compiled if asked, in the trainer's order."""
+    with torch.device("meta"):
+        model = Transformer(SMALL_MODEL)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_weights(model, buffer_device="cpu")
+    if ac is not None:
+        apply_ac(model, *ac)
+    if compiled:
+        apply_compile(model, emulate_precision_casts=False)
+    return model
+
+
+def small_model_run(model: Transformer, steps: int = 1,
+                    dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """The losses of `steps` SGD steps of `model` on one batch under `dtype` autocast, and the last step's
+    gradients by parameter name."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    batch = torch.randint(0, SMALL_MODEL.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(batch[:, :-1])
+        loss = cross_entropy_loss(logits, batch[:, 1:], SMALL_MODEL.vocab_size)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach())
+    # The checkpoint wrapper's prefix goes, as state_dict drops it: names then match an unwrapped model's.
+    return losses, {name.replace(_CHECKPOINT_PREFIX, ""): p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", WHOLE_BLOCK_AC)
+def test_saving_attention_outputs_gives_the_same_gradients(layout: str, dtype: torch.dtype) -> None:
+    """Keeping the attention outputs instead of recomputing them runs the same ops on the same inputs: loss and
+    gradients are bit-identical to no AC and to recomputing everything."""
+    ref_losses, ref_grads = small_model_run(build_small_model(None), dtype=dtype)
+    for save_attention in (True, False):
+        losses, grads = small_model_run(build_small_model((*WHOLE_BLOCK_AC[layout], save_attention)), dtype=dtype)
+        assert torch.equal(losses[0], ref_losses[0]), save_attention
+        assert grads.keys() == ref_grads.keys()
+        for name, grad in grads.items():
+            assert torch.equal(grad, ref_grads[name]), (save_attention, name)
+
+
+@pytest.mark.parametrize("save_attention", [True, False])
+def test_saving_attention_outputs_under_compile(save_attention: bool) -> None:
+    """Compiled checkpointed blocks (the trainer compiles after AC) train as eager ones do, and inductor keeps
+    the policy: with save_attention the attention kernel runs once per block in a step, else once more in
+    backward. Compiled code is invisible to a TorchDispatchMode, so the profiler counts the kernel calls."""
+    ac = (*WHOLE_BLOCK_AC["full"], save_attention)
+    eager_losses, eager_grads = small_model_run(build_small_model(ac), steps=3)
+    torch._dynamo.reset()
+    compiled = build_small_model(ac, compiled=True)
+    compiled_losses, compiled_grads = small_model_run(compiled, steps=3)
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=1e-4)
+    assert eager_losses[-1] < eager_losses[0]  # the weights moved, so equal later losses mean equal updates
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    with torch.profiler.profile() as prof:
+        small_model_run(compiled)
+    attention_calls = [e.name for e in prof.events()].count("aten::_scaled_dot_product_flash_attention_for_cpu")
+    assert attention_calls == SMALL_MODEL.n_layers * (1 if save_attention else 2)
 
 
 def test_wrong_degree_product_is_a_config_error() -> None:

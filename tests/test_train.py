@@ -256,17 +256,28 @@ STEP_MATMULS = 3 * (7 * NUM_LAYERS + 1)
 ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
+KEEP_NO_ATTENTION = ["--activation_checkpoint.save_attention", "false"]
+EVERY_2 = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"]
+
+
 @pytest.mark.parametrize("flags, wrapped, attention_calls, recomputed_matmuls", [
     ([], [], NUM_LAYERS, 0),
     # Full: each block's forward runs again in backward, up to its last matmul (w2), whose output backward
-    # does not need: non-reentrant checkpointing stops recomputing there.
-    (["--activation_checkpoint.mode", "full"], list(range(NUM_LAYERS)), 2 * NUM_LAYERS, 6 * NUM_LAYERS),
+    # does not need: non-reentrant checkpointing stops recomputing there. Attention outputs are kept.
+    (["--activation_checkpoint.mode", "full"], list(range(NUM_LAYERS)), NUM_LAYERS, 6 * NUM_LAYERS),
+    # Without save_attention, attention runs again too.
+    (["--activation_checkpoint.mode", "full", *KEEP_NO_ATTENTION], list(range(NUM_LAYERS)), 2 * NUM_LAYERS,
+     6 * NUM_LAYERS),
     # Selective by op: attention outputs are kept, every second matmul of a block (wk, wo, w3) is recomputed.
     (["--activation_checkpoint.mode", "selective"], list(range(NUM_LAYERS)), NUM_LAYERS, 3 * NUM_LAYERS),
+    (["--activation_checkpoint.mode", "selective", *KEEP_NO_ATTENTION], list(range(NUM_LAYERS)), NUM_LAYERS,
+     3 * NUM_LAYERS),
     # Every 2nd block, fully.
-    (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"],
-     list(range(0, NUM_LAYERS, 2)), NUM_LAYERS + NUM_LAYERS // 2, 6 * (NUM_LAYERS // 2)),
-], ids=["none", "full", "selective-op", "selective-every-2"])
+    (EVERY_2, list(range(0, NUM_LAYERS, 2)), NUM_LAYERS, 6 * (NUM_LAYERS // 2)),
+    ([*EVERY_2, *KEEP_NO_ATTENTION], list(range(0, NUM_LAYERS, 2)), NUM_LAYERS + NUM_LAYERS // 2,
+     6 * (NUM_LAYERS // 2)),
+], ids=["none", "full", "full-recompute-attention", "selective-op", "selective-op-save-attention-ignored",
+        "selective-every-2", "selective-every-2-recompute-attention"])
 def test_activation_checkpointing_recomputes_in_backward(tmp_path: Path, flags: list[str], wrapped: list[int],
                                                          attention_calls: int, recomputed_matmuls: int) -> None:
     """The trainer's blocks are checkpoint-wrapped as the mode says, and one step runs exactly the forward ops

@@ -254,6 +254,12 @@ class ActivationCheckpoint:
     selective_ac_option: str = "op"
     """With mode selective: "op" saves matmul and attention outputs and recomputes the cheap ops in between;
     an integer k checkpoints every k-th block fully ("2": half the blocks)."""
+    save_attention: bool = True
+    """With mode full or selective k: checkpointed blocks keep each attention output (and the TP reduce-scatter
+    outputs) instead of recomputing them in backward, since attention is the costliest op to recompute. Costs per
+    checkpointed block about one more tensor the size of the block's input, (batch, seq, dim); three with tensor
+    parallel. false recomputes everything: the least memory, e.g. for very long contexts. Selective "op" always
+    keeps them."""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Activation checkpointing per transformer block: full, every k-th block, or selective by op."""
 
 from collections import defaultdict
+from functools import partial
 
 import torch
 from torch import nn
@@ -10,7 +11,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titan.metrics.log import logger
 
 # Ops whose outputs selective AC keeps: expensive to recompute relative to the memory they hold.
-# Matmuls are kept every other call (see save_policy); attention and TP reductions always.
+# Matmuls are kept every other call (see save_policy); attention and TP reductions always, also in fully
+# checkpointed blocks with save_attention.
 SAVE_ALWAYS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
@@ -21,15 +23,17 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     SAVE_ALWAYS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
 
-def op_sac_context() -> tuple:
-    """Selective-checkpoint contexts that save SAVE_ALWAYS outputs and every second matmul, recomputing the
-    rest (norms, activations, rotary): most of full AC's memory saving for a fraction of its recompute."""
+def op_sac_context(save_matmuls: bool = True) -> tuple:
+    """Selective-checkpoint contexts that save SAVE_ALWAYS outputs and, with save_matmuls, every second matmul,
+    recomputing the rest (norms, activations, rotary): most of full AC's memory saving for a fraction of its
+    recompute. Without save_matmuls, a block keeps only its attention (and TP reduce-scatter) outputs: full AC
+    that skips recomputing the costliest op."""
     mm_calls: defaultdict[str, int] = defaultdict(int)
 
     def save_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in SAVE_ALWAYS:
             return CheckpointPolicy.MUST_SAVE
-        if op == torch.ops.aten.mm.default:
+        if save_matmuls and op == torch.ops.aten.mm.default:
             mode = "recompute" if ctx.is_recompute else "forward"
             mm_calls[mode] += 1
             # The same count in forward and recompute keeps the two passes' decisions aligned.
@@ -46,17 +50,27 @@ def checkpoint_every(option: str) -> int | None:
     return None if option == "op" else int(option)
 
 
-def apply_ac(model: nn.Module, mode: str, selective_option: str) -> None:
+def apply_ac(model: nn.Module, mode: str, selective_option: str, save_attention: bool) -> None:
     """Wrap the blocks of `model.layers` in place: mode "full" checkpoints every block; "selective" with
-    option "op" saves by op inside every block, with option "k" checkpoints blocks 0, k, 2k, ... fully."""
+    option "op" saves by op inside every block, with option "k" checkpoints blocks 0, k, 2k, ... With
+    save_attention, full and every-k checkpointed blocks keep their SAVE_ALWAYS outputs (attention) and recompute
+    the rest; without it they recompute everything."""
     every = checkpoint_every(selective_option) if mode == "selective" else 1
+    by_op = mode == "selective" and every is None
+    # Without save_attention no context_fn at all: dynamo (torch 2.13) cannot trace an explicit noop_context_fn.
+    block_kwargs = {"context_fn": partial(op_sac_context, save_matmuls=False)} if save_attention else {}
     wrapped = 0
     for layer_id, block in model.layers.items():
-        if mode == "selective" and every is None:
+        if by_op:
             model.layers[layer_id] = checkpoint_wrapper(block, context_fn=op_sac_context, preserve_rng_state=False)
             wrapped += 1
         elif int(layer_id) % every == 0:
-            model.layers[layer_id] = checkpoint_wrapper(block, preserve_rng_state=False)
+            model.layers[layer_id] = checkpoint_wrapper(block, preserve_rng_state=False, **block_kwargs)
             wrapped += 1
-    kind = "selective by op" if mode == "selective" and every is None else "full"
+    if by_op:
+        kind = "selective by op"
+    elif save_attention:
+        kind = "full (keeping attention outputs)"
+    else:
+        kind = "full (recomputing attention too, --activation_checkpoint.save_attention false)"
     logger.info(f"Applied {kind} activation checkpointing to {wrapped} of {len(model.layers)} blocks")

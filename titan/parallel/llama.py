@@ -23,7 +23,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
     if ac.mode != "none":
-        apply_ac(model, ac.mode, ac.selective_ac_option)
+        apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=ac.save_attention)
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
     if train.compile:
