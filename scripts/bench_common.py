@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmark scripts: Llama shapes, fwd+bwd timing, and short training runs."""
+"""Helpers shared by the benchmark scripts: Llama shapes, fwd+bwd timing, peak tensor memory, and short training
+runs."""
 
 import json
 import sys
@@ -7,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -29,22 +31,41 @@ def llama_8b_linear_shapes() -> list[tuple[str, int, int]]:
 
 def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
     """Median wall time of fn() over `repeats` calls, after two warm-up calls."""
-    times = []
+    return interleaved_median_seconds({"fn": fn}, repeats, device)["fn"]
+
+
+def interleaved_median_seconds(fns: dict[str, Callable[[], object]], repeats: int,
+                               device: torch.device) -> dict[str, float]:
+    """Median wall time of each fn over `repeats` rounds, after two warm-up rounds. Each round calls every fn once,
+    so load from other processes on a shared machine slows them alike instead of whichever ran at the time."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return sorted(times[2:])[len(times[2:]) // 2]
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(seconds[2:])[len(seconds[2:]) // 2] for name, seconds in times.items()}
 
 
 def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> float:
     """Median seconds of one forward + backward."""
     grad = torch.randn(x.shape[0], module.out_features, device=x.device, dtype=x.dtype)
     return median_seconds(lambda: module(x.detach().requires_grad_()).backward(grad), repeats, x.device)
+
+
+def peak_tensor_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes of the tensors alive during fn(), on the device where they peak highest. Counts the storages that
+    fn's ops return, seen by torch's dispatcher (so on CPU too, and without allocator caching): a tensor made
+    before fn counts once an op returns it or a view of it (a slice, an in-place op). A torch.compile'd fn runs
+    eagerly under the tracker's dispatch mode, so this is the eager code's peak, not the compiled code's."""
+    tracker = MemTracker()
+    with tracker:
+        fn()
+    return max(device_peak["Total"] for device_peak in tracker.get_tracker_snapshot("peak").values())
 
 
 def final_loss(flags: list[str], steps: int, folder: str) -> float:

@@ -116,6 +116,12 @@ class Training:
     """Dtype of gradient reduction across data-parallel ranks."""
     compile: bool = False
     """torch.compile each transformer block and the loss."""
+    loss_chunk_size: NonNegativeInt = 1024
+    """Tokens per chunk of the cross entropy: fp32 logits, their log-softmax and gradient exist for one chunk at a
+    time instead of the whole micro-batch (same loss and gradients). 0: the whole micro-batch at once. Not chunked
+    under --training.compile (compiled, the whole loss keeps no fp32 logits: it saves each token's max and
+    log-sum-exp and recomputes the softmax in backward, so chunks only add work) nor under tensor-parallel loss
+    parallel (vocab-sharded logits)."""
     seed: Seed = 42
     """Seed for weight init and for the --training.mixture draws; the same seed gives the same losses."""
     deterministic: bool = False

@@ -1,6 +1,7 @@
 """The training loop. __init__ reads as the pipeline; run() is the loop; train_step() is one step."""
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -209,7 +210,9 @@ class Trainer:
         if self.loss_parallel_enabled:
             padded_vocab = padded_vocab_size(self.model_args.vocab_size, self.model_args.vocab_size_multiple_of)
             return build_vocab_sharded_loss(self.model_args.vocab_size, padded_vocab, self.meshes.tp)
-        return torch.compile(cross_entropy_loss) if self.cfg.training.compile else cross_entropy_loss
+        if self.cfg.training.compile:
+            return torch.compile(cross_entropy_loss)  # keeps no fp32 logits compiled: see --training.loss_chunk_size
+        return functools.partial(cross_entropy_loss, chunk_size=self.cfg.training.loss_chunk_size)
 
     @property
     def float8_all_gather_enabled(self) -> bool:
