@@ -1,13 +1,22 @@
 """Benchmarks of Titan's train step.
 
-Titan against a bare PyTorch loop on the same model and batches, in one process:
+Titan's trainer overhead: its train step (data loader, NaN/spike guard, gradient-norm read, metering) against a
+bare loop (forward, loss, backward, clip, optimizer step) on the same model, optimizer and batches, in one process.
+The two alternate in rounds (ABAB...), and the ratio is the median over rounds, with its range (the target is
+Titan within 3% of bare):
 
     python scripts/benchmark.py                                   # debug model on CPU
     python scripts/benchmark.py --steps 20 -- --model.flavor 1B --training.seq_len 2048 \
         --training.mixed_precision_param bfloat16 --training.compile
 
-Both loops run the same model, batches, optimizer and clipping; Titan adds its data loader, NaN guard and
-metrics. Prints tokens/s of each and their ratio (the target is Titan within 3% of bare).
+The speed levers of docs/performance.md, on the job held side by side with torchtitan (its debugmodel: 16 kv
+heads, a 2048-token vocabulary, 8 x 2048 tokens, bf16 autocast, every 2nd block checkpointed, eager): the
+baseline (main before the levers), each lever alone, all together, and all together compiled, alternating in
+rounds. Prints tokens/s (median over rounds), the ratio to the baseline (median and range of the per-round
+ratios), peak tensor bytes of one step, and the largest loss difference from the baseline over the first 20 steps:
+
+    python scripts/benchmark.py --ablation
+    python scripts/benchmark.py --ablation --steps 2 --repeats 3 -- --training.seq_len 256   # a quick look
 
 Parameter + optimizer-state bytes and tokens/s per rank with FSDP over 1, 2 and 4 processes (gloo on CPU,
 one GPU each on CUDA machines):
@@ -51,8 +60,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from multiprocessing.queues import SimpleQueue
 from pathlib import Path
 from typing import get_args, get_type_hints
@@ -61,20 +72,21 @@ from unittest.mock import patch
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
+import torch.nn.functional as F
 from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.distributed.pipelining import schedules
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import titan.models.llama.model as model_module  # noqa: E402
+from bench_common import peak_tensor_bytes  # noqa: E402
+from tests.reference.rope_ref import complex_rope  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
-from titan.config.dtypes import to_dtype  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
+from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
-from titan.models.llama.init import init_weights  # noqa: E402
-from titan.models.llama.loss import cross_entropy_loss  # noqa: E402
-from titan.models.llama.model import Transformer  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.parallel.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -96,54 +108,78 @@ def synchronize(device: torch.device) -> None:
 def time_titan(trainer: Trainer, warmup: int, steps: int) -> float:
     """Seconds for `steps` Titan train steps after `warmup` untimed ones."""
     data_iterator = iter(trainer.dataloader)
-    for _ in range(warmup):
-        trainer.train_step(data_iterator)
+    timed_train_steps(trainer, data_iterator, warmup)
+    return timed_train_steps(trainer, data_iterator, steps)[0]
+
+
+def timed_train_steps(trainer: Trainer, data_iterator: Iterator, steps: int) -> tuple[float, list[float]]:
+    """Seconds for the next `steps` train steps of `trainer`, numbered as the training loop numbers them, and
+    their losses."""
+    losses = []
     synchronize(trainer.device)
     start = time.perf_counter()
     for _ in range(steps):
-        trainer.train_step(data_iterator)
+        trainer.step += 1
+        losses.append(trainer.train_step(data_iterator)[0])
     synchronize(trainer.device)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, losses
 
 
-def time_bare(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], warmup: int) -> float:
-    """Seconds for a minimal loop (forward, loss, backward, clip, AdamW) over `batches` after `warmup` steps."""
-    cfg = trainer.cfg
-    torch.manual_seed(cfg.training.seed)
-    with torch.device("meta"):
-        model = Transformer(trainer.model_args)
-    if cfg.training.compile:
-        for block in model.layers.values():
-            block.compile(fullgraph=True)
-    model.to_empty(device=trainer.device)
-    with torch.no_grad():
-        init_weights(model, buffer_device=trainer.device)
-    loss_fn = torch.compile(cross_entropy_loss) if cfg.training.compile else cross_entropy_loss
-    o = cfg.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay, foreach=o.implementation == "foreach",
-                                  fused=o.implementation == "fused")
-    dtype = to_dtype(cfg.training.mixed_precision_param)
-    autocast = (contextlib.nullcontext() if dtype == torch.float32
-                else torch.autocast(trainer.device.type, dtype=dtype))
+def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """A minimal training step on the trainer's own model, loss and optimizer (forward, loss, backward, clip,
+    step), without the trainer's data loading, guards and metering: what is left is the trainer's overhead."""
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    max_norm = trainer.cfg.training.max_norm
     vocab_size = trainer.model_args.vocab_size
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        with autocast:
-            logits = model(inputs)
-        loss_fn(logits, labels, vocab_size).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.training.max_norm, foreach=True)
-        optimizer.step()
+        trainer.optimizer.zero_grad()
+        with trainer.autocast():
+            logits = trainer.model(inputs)
+        trainer.loss_fn(logits, labels, vocab_size).backward()
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        trainer.optimizer.step()
 
-    for inputs, labels in batches[:warmup]:
-        step(inputs, labels)
+    return step
+
+
+def time_bare(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Seconds for one bare step per batch of `batches` (already on the device)."""
+    step = bare_step(trainer)
     synchronize(trainer.device)
     start = time.perf_counter()
-    for inputs, labels in batches[warmup:]:
+    for inputs, labels in batches:
         step(inputs, labels)
     synchronize(trainer.device)
     return time.perf_counter() - start
+
+
+def ratio_summary(ratios: list[float]) -> str:
+    """Median of per-round ratios and their range: "1.012 (0.998-1.020)"."""
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def overhead_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """Titan's step against the bare loop on the same trainer, alternating `args.steps` steps of each per round."""
+    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
+    t = trainer.cfg.training
+    if t.global_batch_size not in (-1, t.local_batch_size):
+        raise SystemExit("benchmark.py compares single micro-batch steps: leave --training.global_batch_size at -1")
+    data_iterator = iter(trainer.dataloader)
+    batches = [tuple(x.to(trainer.device) for x in next(data_iterator)) for _ in range(args.steps)]
+    timed_train_steps(trainer, data_iterator, args.warmup)  # compile, allocator, optimizer state
+    time_bare(trainer, batches[: args.warmup])
+    titan_seconds, bare_seconds = [], []
+    for _ in range(args.repeats):
+        titan_seconds.append(timed_train_steps(trainer, data_iterator, args.steps)[0])
+        bare_seconds.append(time_bare(trainer, batches))
+    tokens = t.local_batch_size * t.seq_len * args.steps
+    print(f"model {trainer.cfg.model.flavor}  device {trainer.device}  batch {t.local_batch_size}x{t.seq_len}  "
+          f"dtype {t.mixed_precision_param}  compile {t.compile}  {args.repeats} rounds of {args.steps} steps each")
+    print(f"titan  tokens/s {tokens / statistics.median(titan_seconds):12,.0f}")
+    print(f"bare   tokens/s {tokens / statistics.median(bare_seconds):12,.0f}")
+    ratios = [bare / titan for titan, bare in zip(titan_seconds, bare_seconds)]
+    print(f"titan/bare ratio {ratio_summary(ratios)}  (tokens/s, median over rounds, and range)")
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -399,13 +435,167 @@ def production_table(args: argparse.Namespace, argv: list[str]) -> None:
           f"all-reduce between 2 gloo processes: {results.get() * 1e6:.1f} us")
 
 
+# The job Titan is held against torchtitan on (issue 14): torchtitan's debugmodel (16 kv heads, a 2048-token
+# vocabulary: 6,163,712 parameters), 8 x 2048 tokens per step, bf16 autocast, every 2nd block checkpointed, eager.
+ABLATION_JOB = ["--model.flavor", "debugmodel_mha", "--training.seq_len", "2048", "--training.local_batch_size", "8",
+                "--training.mixed_precision_param", "bfloat16", "--activation_checkpoint.mode", "selective",
+                "--activation_checkpoint.selective_ac_option", "2", "--metrics.log_freq", "1000000"]
+ABLATION_VOCAB = 2048
+ABLATION_LOSS_STEPS = 20
+# Eight rows of about 7 s steps on 2 CPU cores: 2 warm-up + 3 rounds x 6 steps = the 20 steps the losses compare.
+ABLATION_STEPS, ABLATION_WARMUP = 6, 2
+
+
+def truncated_tokenizer(vocab_size: int) -> Path:
+    """The shipped tokenizer cut to its first vocab_size - 2 ranks (+ BOS and EOS): a BPE tokenizer of exactly
+    vocab_size tokens, since both parts of every merge rank below it."""
+    ranks = (ROOT / SHIPPED_TOKENIZER).read_text().splitlines()[: vocab_size - 2]
+    path = Path(tempfile.gettempdir()) / f"titan_{vocab_size}.tiktoken"
+    path.write_text("\n".join(ranks) + "\n")
+    return path
+
+
+def main_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """RoPE as main computed it before the real tables: Meta's complex product (the cache's (cos, sin) pairs
+    viewed as complex64, no copy)."""
+    return complex_rope(x, torch.view_as_complex(rope_cache))
+
+
+def main_gqa_sdpa(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """SDPA as main fed it before enable_gqa: keys and values expanded to every query head (a copy)."""
+
+    def expanded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
+                 enable_gqa: bool = False, **kwargs: object) -> torch.Tensor:
+        if enable_gqa:
+            bs, kv_heads, seq, head_dim = key.shape
+            n_rep = query.size(1) // kv_heads
+            # (bs, kv_heads, seq, head_dim) -> (bs, kv_heads * n_rep, seq, head_dim): kv head j serves j*n_rep...
+            key, value = (t[:, :, None].expand(bs, kv_heads, n_rep, seq, head_dim).reshape(bs, -1, seq, head_dim)
+                          for t in (key, value))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    return expanded
+
+
+@dataclass
+class Lever:
+    """A speed lever and how to turn it off: config flags, or patches that put main's code back."""
+
+    name: str
+    off_flags: list[str] = field(default_factory=list)
+    off_patches: Callable[[], list[contextlib.AbstractContextManager]] = list
+
+
+LEVERS = [
+    Lever("real RoPE", off_patches=lambda: [patch.object(model_module, "apply_rotary_emb", main_rope)]),
+    Lever("GQA without copies", off_patches=lambda: [
+        patch.object(F, "scaled_dot_product_attention", main_gqa_sdpa(F.scaled_dot_product_attention))]),
+    Lever("fused AdamW", off_flags=["--optimizer.implementation", "foreach"]),
+    Lever("chunked loss", off_flags=["--training.loss_chunk_size", "0"]),
+    Lever("AC keeps attention", off_flags=["--activation_checkpoint.no_save_attention"]),
+]
+
+
+@dataclass
+class Contender:
+    """One row of the ablation: a trainer built with `flags`, with the levers in `off` turned off."""
+
+    name: str
+    flags: list[str]
+    off: list[Lever]
+    trainer: Trainer | None = None
+    data_iterator: Iterator | None = None
+    seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    peak_bytes: int | None = None
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """The off levers' patches, around this row's build and each of its runs (rows alternate)."""
+        with contextlib.ExitStack() as stack:
+            for lever in self.off:
+                for context in lever.off_patches():
+                    stack.enter_context(context)
+            yield
+
+    def build(self, argv: list[str]) -> None:
+        with self.patched():
+            self.trainer = Trainer(load_job_config([*argv, *self.flags], world_size=1), world_size=1)
+        self.data_iterator = iter(self.trainer.dataloader)
+
+    def run(self, steps: int) -> float:
+        """Seconds of this row's next `steps` train steps; their losses are kept."""
+        with self.patched():
+            seconds, losses = timed_train_steps(self.trainer, self.data_iterator, steps)
+        self.losses += losses
+        return seconds
+
+    def measure_peak(self) -> None:
+        """Peak tensor bytes of one more step. Not for compiled rows: MemTracker counts tensors in a dispatch mode,
+        which compiled blocks cannot run under (fullgraph=True fails)."""
+        if self.trainer.cfg.training.compile:
+            return
+        with self.patched():
+            self.peak_bytes = peak_tensor_bytes(lambda: timed_train_steps(self.trainer, self.data_iterator, 1))
+
+
+def ablation_contenders() -> list[Contender]:
+    """Baseline (every lever off), each lever alone, all together, and all together compiled."""
+
+    def flags_off(levers: list[Lever]) -> list[str]:
+        return [flag for lever in levers for flag in lever.off_flags]
+
+    rows = [Contender("baseline (main)", flags_off(LEVERS), list(LEVERS))]
+    for lever in LEVERS:
+        others = [other for other in LEVERS if other is not lever]
+        rows.append(Contender(f"{lever.name} alone", flags_off(others), others))
+    rows.append(Contender("all levers", [], []))
+    rows.append(Contender("all levers + compile", ["--training.compile"], []))
+    return rows
+
+
+def ablation_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """Build every row, run `args.warmup` untimed steps of each, then `args.repeats` rounds of `args.steps` steps
+    of each in turn; then one more step each for peak memory."""
+    logger.setLevel(logging.WARNING)  # the table is the output
+    job = [*ABLATION_JOB, "--model.tokenizer_path", str(truncated_tokenizer(ABLATION_VOCAB))]
+    argv = [*argv[:4], *job, *argv[4:]]  # after the config file and dump folder, before the user's flags
+    contenders = ablation_contenders()
+    for contender in contenders:
+        contender.build(argv)
+    for contender in contenders:
+        contender.run(args.warmup)
+    for _ in range(args.repeats):
+        for contender in contenders:
+            contender.seconds.append(contender.run(args.steps))
+    for contender in contenders:
+        contender.measure_peak()
+    base = contenders[0]
+    t, vocab = base.trainer.cfg.training, base.trainer.model_args.vocab_size
+    tokens = t.local_batch_size * t.seq_len * args.steps
+    compared = min(ABLATION_LOSS_STEPS, len(base.losses))
+    print(f"{base.trainer.cfg.model.flavor}, vocab {vocab}, {t.local_batch_size} x {t.seq_len} tokens, "
+          f"{t.mixed_precision_param}: {args.repeats} alternating rounds of {args.steps} steps after "
+          f"{args.warmup} warm-up steps")
+    print(f"{'':<26} {'tokens/s':>9} {'vs baseline (range)':>22} {'peak MiB':>9} "
+          f"{f'max |dloss|, {compared} steps':>23}")
+    for contender in contenders:
+        ratios = [b / c for b, c in zip(base.seconds, contender.seconds)]
+        loss_diff = max(abs(a - b) for a, b in zip(contender.losses[:compared], base.losses[:compared]))
+        peak = f"{contender.peak_bytes / 2**20:9.1f}" if contender.peak_bytes is not None else f"{'-':>9}"
+        print(f"{contender.name:<26} {tokens / statistics.median(contender.seconds):9,.0f} "
+              f"{ratio_summary(ratios):>22} {peak} {loss_diff:23.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int,
-                        help=f"timed steps per loop (default 10; {PIPELINE_STEPS} with --pipeline)")
+    parser.add_argument("--steps", type=int, help=f"timed steps per loop and round (default 10; {PIPELINE_STEPS} "
+                                                  f"with --pipeline, {ABLATION_STEPS} with --ablation)")
     parser.add_argument("--warmup", type=int, help="untimed steps first: compile, allocator, pipeline set-up "
-                                                   f"(default 3; {PIPELINE_WARMUP} with --pipeline)")
-    parser.add_argument("--repeats", type=int, default=2, help="alternate titan/bare this many times, keep the best")
+                                                   f"(default 3; {PIPELINE_WARMUP} with --pipeline, "
+                                                   f"{ABLATION_WARMUP} with --ablation)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="alternating rounds (titan/bare, or the ablation's rows); medians are over rounds")
     parser.add_argument("--fsdp-memory", type=int, nargs="+", metavar="N",
                         help="bytes and tokens/s per rank with FSDP over each N processes")
     parser.add_argument("--rank-memory", action="store_true", help=argparse.SUPPRESS)  # the --fsdp-memory worker
@@ -415,12 +605,14 @@ def main() -> None:
                              f"micro-batches (default: {' '.join(DEFAULT_PIPELINE_SCHEDULES)})")
     parser.add_argument("--production", action="store_true",
                         help="seconds per step without and with evaluation, and the per-step checks' cost")
+    parser.add_argument("--ablation", action="store_true",
+                        help="tokens/s, peak memory and loss difference of each speed lever, alone and together")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     if args.steps is None:
-        args.steps = PIPELINE_STEPS if args.pipeline is not None else 10
+        args.steps = PIPELINE_STEPS if args.pipeline is not None else ABLATION_STEPS if args.ablation else 10
     if args.warmup is None:
-        args.warmup = PIPELINE_WARMUP if args.pipeline is not None else 3
+        args.warmup = PIPELINE_WARMUP if args.pipeline is not None else ABLATION_WARMUP if args.ablation else 3
     init_logger()
     argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
             "/tmp/titan_benchmark", *args.titan_flags]
@@ -439,24 +631,10 @@ def main() -> None:
     if args.production:
         production_table(args, argv)
         return
-    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
-    t = trainer.cfg.training
-    if t.global_batch_size not in (-1, t.local_batch_size):
-        raise SystemExit("benchmark.py compares single micro-batch steps: leave --training.global_batch_size at -1")
-    data_iterator = iter(trainer.dataloader)
-    batches = [tuple(x.to(trainer.device) for x in next(data_iterator)) for _ in range(args.warmup + args.steps)]
-    tokens = t.local_batch_size * t.seq_len * args.steps
-
-    titan_seconds, bare_seconds = [], []
-    for _ in range(args.repeats):
-        titan_seconds.append(time_titan(trainer, args.warmup, args.steps))
-        bare_seconds.append(time_bare(trainer, batches, args.warmup))
-    titan_tps, bare_tps = tokens / min(titan_seconds), tokens / min(bare_seconds)
-    print(f"model {trainer.cfg.model.flavor}  device {trainer.device}  batch {t.local_batch_size}x{t.seq_len}  "
-          f"dtype {t.mixed_precision_param}  compile {t.compile}  steps {args.steps} (best of {args.repeats})")
-    print(f"titan  tokens/s {titan_tps:12,.0f}")
-    print(f"bare   tokens/s {bare_tps:12,.0f}")
-    print(f"titan/bare ratio {titan_tps / bare_tps:.3f}")
+    if args.ablation:
+        ablation_table(args, argv)
+        return
+    overhead_table(args, argv)
 
 
 if __name__ == "__main__":
