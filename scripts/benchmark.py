@@ -87,6 +87,7 @@ from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
+from titan.models.llama.model import expand_kv_heads  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.parallel.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -467,11 +468,8 @@ def main_gqa_sdpa(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     def expanded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object,
                  enable_gqa: bool = False, **kwargs: object) -> torch.Tensor:
         if enable_gqa:
-            bs, kv_heads, seq, head_dim = key.shape
-            n_rep = query.size(1) // kv_heads
-            # (bs, kv_heads, seq, head_dim) -> (bs, kv_heads * n_rep, seq, head_dim): kv head j serves j*n_rep...
-            key, value = (t[:, :, None].expand(bs, kv_heads, n_rep, seq, head_dim).reshape(bs, -1, seq, head_dim)
-                          for t in (key, value))
+            n_rep = query.size(1) // key.size(1)
+            key, value = expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep)
         return sdpa(query, key, value, *args, **kwargs)
 
     return expanded

@@ -21,7 +21,14 @@ from titan.models.llama import (
     padded_vocab_size,
 )
 from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
-from titan.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+from titan.models.llama.model import (
+    Attention,
+    apply_rotary_emb,
+    expand_kv_heads,
+    grouped_query_attention,
+    precompute_rope_cache,
+    scale_rope_frequencies,
+)
 from reference.rope_ref import complex_rope, complex_rotation_table
 
 VOCAB = 2256  # the shipped tokenizer's odd size
@@ -166,6 +173,18 @@ def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
     x = torch.randn(2, 10, 64)
     rope_cache = precompute_rope_cache(gqa_args)
     torch.testing.assert_close(gqa(x, rope_cache), mha(x, rope_cache))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_reads_kv_heads_in_place_as_expanded_copies_would(dtype: torch.dtype) -> None:
+    """enable_gqa (no copies) gives the attention of kv heads expanded to every query head (main's copies), and the
+    expansion gives query head h kv head h // n_rep, as repeat_interleave does."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 32, 16, dtype=dtype)  # (bs, heads, seq, head_dim)
+    k, v = torch.randn(2, 2, 32, 16, dtype=dtype), torch.randn(2, 2, 32, 16, dtype=dtype)  # 2 kv heads: n_rep 4
+    assert torch.equal(expand_kv_heads(k, 4), k.repeat_interleave(4, dim=1))
+    expanded = F.scaled_dot_product_attention(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), is_causal=True)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, 4), expanded)
 
 
 def test_future_tokens_do_not_change_earlier_logits() -> None:

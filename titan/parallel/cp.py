@@ -22,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
+from titan.models.llama.model import expand_kv_heads
+
 ROTATE_METHODS = ("allgather", "alltoall")
 
 # torch 2.13 renamed the all-gathers (the old names warn there); torch 2.11 has only the old ones.
@@ -140,9 +142,9 @@ def _causal_only(attention: ShardedAttention) -> Callable[..., Tensor]:
                 f"is_causal={is_causal}). Set --parallelism.context_parallel_degree 1 for other attention masks.")
         if enable_gqa:
             # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
-            # enable_gqa reads them. (bs, kv_heads, local_seq, head_dim) -> (bs, heads, local_seq, head_dim).
+            # enable_gqa reads them.
             n_rep = query.size(1) // key.size(1)
-            key, value = key.repeat_interleave(n_rep, dim=1), value.repeat_interleave(n_rep, dim=1)
+            key, value = expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep)
         return attention(query, key, value, scale)
 
     return sharded_sdpa

@@ -58,6 +58,24 @@ def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
     return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
 
 
+def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> Tensor:
+    """Causal attention of q (bs, heads, seq, head_dim) over k, v (bs, heads // n_rep, seq, head_dim): query head h
+    reads kv head h // n_rep. SDPA's enable_gqa reads the kv heads in place, where expanding them copies n_rep
+    times their size. On CUDA only the flash kernel takes enable_gqa, and only in fp16/bf16: there an fp32 call
+    would fall back to SDPA's slow math kernel, so fp32 expands the kv heads for the memory-efficient kernel."""
+    if n_rep == 1 or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+    return F.scaled_dot_product_attention(q, expand_kv_heads(k, n_rep), expand_kv_heads(v, n_rep), is_causal=True)
+
+
+def expand_kv_heads(x: Tensor, n_rep: int) -> Tensor:
+    """A copy of keys or values x (bs, kv_heads, seq, head_dim) with kv head j repeated for query heads j*n_rep ...
+    j*n_rep + n_rep - 1: (bs, kv_heads * n_rep, seq, head_dim)."""
+    bs, kv_heads, seq, head_dim = x.shape
+    expanded = x[:, :, None].expand(bs, kv_heads, n_rep, seq, head_dim)  # (bs, kv_heads, n_rep, seq, head_dim)
+    return expanded.reshape(bs, kv_heads * n_rep, seq, head_dim)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped-query key/value heads and rotary positions."""
 
@@ -77,10 +95,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
-        # SDPA wants heads before seq: (bs, local_heads, seq, head_dim). With grouped-query attention, enable_gqa
-        # has query head h read kv head h // n_rep in place, where expanding k and v first would copy them.
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=self.n_rep > 1)
+        # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
+        out = grouped_query_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.n_rep)
         out = out.transpose(1, 2).reshape(bs, seq, -1)  # (bs, seq, local_heads * head_dim)
         return self.wo(out)
 
