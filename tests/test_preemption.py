@@ -143,16 +143,21 @@ def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monke
 def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                          titan_records: list[logging.LogRecord]) -> None:
     """Ctrl-C (SIGINT) without --checkpoint.enable: the same clean stop, exit code 4, and the message says so."""
+    # A shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, and Titan leaves ignored signals alone.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     trainer = build_trainer(tmp_path, "--training.steps", "4")
     act_after_step(trainer, 2, lambda: os.kill(os.getpid(), signal.SIGINT), monkeypatch)
-    assert run_main(trainer.run) == 4
+    try:
+        assert run_main(trainer.run) == 4
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
+    finally:
+        signal.signal(signal.SIGINT, previous)
     messages = [record.getMessage() for record in titan_records]
     assert any("Rank 0 received SIGINT: finishing step 2, then exiting (checkpoints are off)." in message
                for message in messages)
     assert messages[-1].startswith("Stopped at step 2: rank 0 received SIGINT. No state was saved, since "
                                    "--checkpoint.enable is off")
     assert not (tmp_path / "checkpoint").exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handlers are put back
 
 
 def test_the_same_signal_again_exits_at_once() -> None:
