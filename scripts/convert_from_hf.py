@@ -4,9 +4,11 @@
         --model.tokenizer_path Llama-3.1-8B/original/tokenizer.model
     ./run_train.sh --model.flavor 8B --checkpoint.initial_load_path llama31_8b_dcp ...
 
-Reads model.safetensors or the shards in model.safetensors.index.json, checks config.json (when present)
-against the Titan flavor, undoes the rotate-half RoPE layout of q_proj/k_proj, pads the embedding and output
-to the padded vocab with zero rows, and saves {"model": state_dict} in float32 with torch.distributed.checkpoint.
+Reads model.safetensors or the shards in model.safetensors.index.json through the same code as
+--checkpoint.initial_load_in_hf (titan/checkpoint/hf_io.py), on one process: checks config.json (when present) and
+every shard's header against the Titan flavor, undoes the rotate-half RoPE layout of q_proj/k_proj, pads the
+embedding and output to the padded vocab with zero rows, and saves {"model": state_dict} in float32 with
+torch.distributed.checkpoint.
 Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_path and
 --model.vocab_size_multiple_of matter.
 """
@@ -14,7 +16,6 @@ Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_pa
 import argparse
 from pathlib import Path
 
-import torch
 from checkpoint_common import (
     TITAN_FLAGS_HELP,
     check_new_folder,
@@ -24,7 +25,7 @@ from checkpoint_common import (
 )
 
 from titan.checkpoint.dcp import save_model_weights
-from titan.checkpoint.hf import load_hf_weights
+from titan.checkpoint.hf_io import read_hf_weights
 from titan.metrics.log import logger
 
 
@@ -40,8 +41,8 @@ def main() -> None:
     cli, titan_flags = parse_cli()
     check_new_folder(cli.output_folder, "output_folder")
     model_cfg, args, tokenizer = parse_model_shape(titan_flags)
-    # Titan keeps float32 weights (bf16 is a compute dtype), so a bf16 download is widened once here.
-    state_dict = {fqn: tensor.to(torch.float32) for fqn, tensor in load_hf_weights(cli.hf_folder, args).items()}
+    # Titan keeps float32 weights (bf16 is a compute dtype), so a bf16 download is widened as it is read.
+    state_dict = read_hf_weights(cli.hf_folder, args)
     save_model_weights(state_dict, cli.output_folder)
     logger.info(f"Wrote {len(state_dict)} float32 tensors of {model_cfg.flavor} from {cli.hf_folder} to "
                 f"{cli.output_folder}; start a run from it with --checkpoint.initial_load_path {cli.output_folder}.")

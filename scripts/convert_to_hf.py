@@ -4,14 +4,14 @@
     python scripts/convert_to_hf.py <dump_folder>/checkpoint/step-5000 hf_8b --dtype bfloat16 -- \\
         --job.config_file <dump_folder>/config.toml
 
-Reads only the model tensors of the step folder (a full checkpoint or a weights-only one) on one process.
-Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_path and
---model.vocab_size_multiple_of matter. The folder loads with transformers'
-LlamaForCausalLM.from_pretrained(folder); add the tokenizer files yourself.
+Reads only the model tensors of the step folder (a full checkpoint or a weights-only one) on one process and writes
+them through the same code as --checkpoint.last_save_in_hf (titan/checkpoint/hf_io.py): safetensors shards with their
+index, config.json and the tokenizer files. Everything after `--` is a Titan flag; only --model.flavor,
+--model.tokenizer_path and --model.vocab_size_multiple_of matter. The folder loads with transformers'
+LlamaForCausalLM.from_pretrained(folder) and AutoTokenizer.from_pretrained(folder).
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from checkpoint_common import (
@@ -23,17 +23,10 @@ from checkpoint_common import (
 )
 
 from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import (
-    HF_CONFIG_FILE,
-    hf_config,
-    to_hf_state_dict,
-)
-from titan.checkpoint.safetensors import save_folder
+from titan.checkpoint.hf import check_shapes, titan_shapes
+from titan.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, save_hf
 from titan.config.dtypes import DTYPES
 from titan.metrics.log import logger
-
-# transformers' save_pretrained default shard size ("5GB").
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
@@ -55,12 +48,11 @@ def main() -> None:
     model_cfg, args, tokenizer = parse_model_shape(titan_flags)
     dtype = DTYPES[cli.dtype]
     weights = read_model_weights(cli.step_folder)
-    hf = {name: tensor.to(dtype) for name, tensor in to_hf_state_dict(weights, args).items()}
-    files = save_folder(hf, cli.output_folder, cli.max_shard_bytes)
-    config = hf_config(args, dtype, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-    (cli.output_folder / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    logger.info(f"Wrote {len(hf)} {cli.dtype} tensors of {model_cfg.flavor} from {cli.step_folder} to "
-                f"{cli.output_folder}: {', '.join(f.name for f in files)} and {HF_CONFIG_FILE}.")
+    check_shapes({fqn: tensor.shape for fqn, tensor in weights.items()}, titan_shapes(args),
+                 f"Checkpoint {cli.step_folder}")
+    save_hf(weights, cli.output_folder, args, dtype, tokenizer, cli.max_shard_bytes)
+    logger.info(f"Wrote {len(weights)} {cli.dtype} tensors of {model_cfg.flavor} from {cli.step_folder} to "
+                f"{cli.output_folder}: {', '.join(sorted(path.name for path in cli.output_folder.iterdir()))}.")
 
 
 if __name__ == "__main__":

@@ -22,11 +22,8 @@ from checkpoint_common import (
 from torch import Tensor
 
 from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import (
-    check_tensors,
-    load_hf_weights,
-    titan_shapes,
-)
+from titan.checkpoint.hf import check_shapes, titan_shapes
+from titan.checkpoint.hf_io import read_hf_weights
 from titan.models.llama.args import ModelArgs, build_model_args
 from titan.models.llama.model import Transformer, precompute_rope_cache
 
@@ -100,10 +97,11 @@ def main() -> None:
     args = build_model_args(model_cfg.flavor, tokenizer.vocab_size, model_cfg.vocab_size_multiple_of,
                             len(prompt_ids) + cli.max_new_tokens)
     if cli.hf:
-        state_dict = load_hf_weights(cli.checkpoint, args)
+        state_dict = read_hf_weights(cli.checkpoint, args)
     else:
         state_dict = read_model_weights(cli.checkpoint)
-        check_tensors(state_dict, titan_shapes(args), f"Checkpoint {cli.checkpoint}")
+        check_shapes({fqn: tensor.shape for fqn, tensor in state_dict.items()}, titan_shapes(args),
+                     f"Checkpoint {cli.checkpoint}")
     model = build_model(args, state_dict, device)
     generator = torch.Generator(device=device).manual_seed(cli.seed)
     new_ids = generate(model, prompt_ids, cli.max_new_tokens, cli.temperature, cli.top_k, tokenizer.eos_id, generator)

@@ -13,6 +13,8 @@ State (top-level keys of the DCP state dict):
   dataloader    stream: the global data stream's position, pickled (the same on every rank, so DCP writes it once)
   rng           rank_<r>: each rank's torch (and CUDA) RNG state, pickled
 Weights-only checkpoints (seed checkpoints, --checkpoint.last_save_model_only exports) hold only `model`.
+With --checkpoint.last_save_in_hf the last step's folder is a Hugging Face folder instead (titan/checkpoint/hf_io.py),
+written into the same .partial folder and renamed the same way.
 """
 
 import pickle
@@ -39,11 +41,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titan.checkpoint.hf_io import INDEX_FILE, load_hf, save_hf
 from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, Checkpoint
+from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
-from titan.parallel.init import load_full_state_dict
 
 # Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -111,6 +114,11 @@ INITIAL_LOAD_FIX = ("--checkpoint.initial_load_path must be a Titan checkpoint s
                     "outputs/checkpoint/step-1000) or a seed checkpoint; for a Hugging Face folder add "
                     "--checkpoint.initial_load_in_hf.")
 EXPORT_FIX = "Pass a step folder written by Titan's checkpointer or scripts/convert_from_hf.py."
+
+
+def is_hf_export(folder: Path) -> bool:
+    """Whether a step folder is a --checkpoint.last_save_in_hf export rather than a DCP checkpoint."""
+    return (folder / INDEX_FILE).is_file()
 
 
 def read_metadata(folder: Path, fix: str) -> dict[str, Any]:
@@ -190,10 +198,11 @@ class Checkpointer:
 
     def __init__(self, cfg: Checkpoint, dump_folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
                  lr_scheduler: torch.optim.lr_scheduler.LRScheduler, dataloader: Any, device: torch.device,
-                 dp_degree: int, model_fqns: set[str]) -> None:
+                 dp_degree: int, model_fqns: set[str], tokenizer: Tokenizer) -> None:
         """`model` is this rank's share of the model by FQN (all of it without pipeline parallel); `model_fqns` are
-        the parameter FQNs of the whole model."""
+        the parameter FQNs of the whole model; `tokenizer` goes into Hugging Face exports."""
         self.cfg = cfg
+        self.tokenizer = tokenizer
         self.model_fqns = model_fqns
         self.root = dump_folder / cfg.folder
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
@@ -239,6 +248,9 @@ class Checkpointer:
         `blocking` writes the files before returning whatever --checkpoint.async_mode says (a run stopping early)."""
         self.wait()  # one save in flight at a time, so files and renames never interleave
         step = train_state.step
+        if step == last_step and self.cfg.last_save_in_hf:
+            self.save_hf(step)
+            return
         model_only = step == last_step and self.cfg.last_save_model_only
         state = self.export_state() if model_only else self.training_state(train_state)
         partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
@@ -255,6 +267,16 @@ class Checkpointer:
                                 async_stager=self.stager, no_dist=not dist.is_initialized())
         self.pending = (step, upload)
         logger.info(f"Saving {kind} of step {step} in the background to {step_folder(self.root, step)}")
+
+    def save_hf(self, step: int) -> None:
+        """Export the last step as a Hugging Face folder, every rank writing its own shards. Blocking: it is the last
+        save of the run, and the consolidation into output files runs on every rank."""
+        partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
+        save_hf(get_model_state_dict(self.model), partial, self.model.args, to_dtype(self.cfg.export_dtype),
+                self.tokenizer)
+        self.finish(step)
+        logger.info(f"Saved the last step {step} as a Hugging Face folder ({self.cfg.export_dtype}) in "
+                    f"{step_folder(self.root, step)}")
 
     def poll(self) -> None:
         """Finish a background save whose files are all written (call once per step)."""
@@ -316,6 +338,11 @@ class Checkpointer:
         if not self.cfg.enable:
             return self.start_state()
         folder = self.resume_folder()
+        if folder is not None and is_hf_export(folder):
+            self.load_hf_weights(folder)
+            logger.warning(f"{folder} is a Hugging Face export (--checkpoint.last_save_in_hf): it holds weights only, "
+                           f"so training starts again at step 0 from them.")
+            return self.start_state()
         if folder is not None:
             return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading), fix=RESUME_FIX)
         if self.cfg.initial_load_path is not None:
@@ -325,16 +352,19 @@ class Checkpointer:
 
     def load_initial(self, path: Path) -> TrainState:
         if self.cfg.initial_load_in_hf:
-            from titan.checkpoint.hf import load_hf_weights
-
-            state = load_hf_weights(path, self.model.args)
-            load_full_state_dict(self.model, state)
-            logger.info(f"Loaded Hugging Face weights from {path}")
+            self.load_hf_weights(path)
             return self.start_state()
         if self.cfg.initial_load_model_only:
             self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY}, fix=INITIAL_LOAD_FIX)
             return self.start_state()
         return self.load_folder(path, exclude=set(), fix=INITIAL_LOAD_FIX)
+
+    def load_hf_weights(self, folder: Path) -> None:
+        """Load a Hugging Face folder into the (sharded) model: each rank reads only its own rows."""
+        state = get_model_state_dict(self.model)
+        load_hf(folder, state, self.model.args)
+        set_model_state_dict(self.model, state)
+        logger.info(f"Loaded Hugging Face weights from {folder}")
 
     def load_folder(self, folder: Path, exclude: set[str], fix: str) -> TrainState:
         """Load every part of `folder` that it holds and `exclude` does not name; `fix` ends read errors."""
@@ -379,7 +409,7 @@ class Checkpointer:
         if not steps:
             return None
         folder = step_folder(self.root, steps[-1])
-        if "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
+        if is_hf_export(folder) or "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
             return None
         return self.load_folder(folder, exclude={"dataloader"}, fix=RESUME_FIX)
 

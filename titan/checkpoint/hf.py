@@ -10,16 +10,15 @@ HF row r*head_dim/2 + i of wq/wk is Titan row 2i + r (r = 0 real part, 1 imagina
 output channels of q and k the same way leaves every q.k score unchanged; v and wo don't see RoPE.
 """
 
-import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from titan.checkpoint.safetensors import load_folder
 from titan.config.errors import ConfigError
-from titan.models.llama.args import ModelArgs, ffn_hidden_dim, padded_vocab_size
+from titan.models.llama.args import ModelArgs, ffn_hidden_dim
 from titan.models.llama.model import Transformer
 
 HF_CONFIG_FILE = "config.json"
@@ -66,11 +65,11 @@ def hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
             for fqn, hf in hf_names(args).items()}
 
 
-def check_tensors(tensors: Mapping[str, Tensor], expected: dict[str, torch.Size], source: str) -> None:
-    """Raise one ConfigError listing every missing, unexpected and wrongly shaped tensor in `tensors`."""
+def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Size], source: str) -> None:
+    """Raise one ConfigError listing every missing, unexpected and wrongly shaped tensor in `shapes` (name -> shape)."""
     problems = []
-    missing = [name for name in expected if name not in tensors]
-    unexpected = [name for name in tensors if name not in expected]
+    missing = [name for name in expected if name not in shapes]
+    unexpected = [name for name in shapes if name not in expected]
     if missing:
         problems.append(f"{source} lacks {len(missing)} tensors the model needs: {missing[:8]}"
                         f"{' ...' if len(missing) > 8 else ''}.")
@@ -78,29 +77,13 @@ def check_tensors(tensors: Mapping[str, Tensor], expected: dict[str, torch.Size]
         problems.append(f"{source} has {len(unexpected)} tensors the model doesn't have: {unexpected[:8]}"
                         f"{' ...' if len(unexpected) > 8 else ''}.")
     for name, shape in expected.items():
-        if name in tensors and tensors[name].shape != shape:
-            problems.append(f"{source} tensor {name} has shape {list(tensors[name].shape)}, but the model "
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            problems.append(f"{source} tensor {name} has shape {list(shapes[name])}, but the model "
                             f"needs {list(shape)}.")
     if problems:
         problems.append("Check that --model.flavor and --model.tokenizer_path are the ones the checkpoint was "
                         "trained with.")
         raise ConfigError(problems)
-
-
-def interleaved_to_rotate_half(weight: Tensor, num_heads: int) -> Tensor:
-    """wq/wk rows from Titan's layout to HF's: within each head, row 2i + r moves to r * head_dim/2 + i."""
-    rows, dim = weight.shape
-    head_dim = rows // num_heads
-    pairs = weight.reshape(num_heads, head_dim // 2, 2, dim)  # (heads, pair i, part r, dim)
-    return pairs.transpose(1, 2).reshape(rows, dim)  # (heads, part r, pair i, dim) flattened to rows
-
-
-def rotate_half_to_interleaved(weight: Tensor, num_heads: int) -> Tensor:
-    """wq/wk rows from HF's layout back to Titan's: the inverse of interleaved_to_rotate_half."""
-    rows, dim = weight.shape
-    head_dim = rows // num_heads
-    halves = weight.reshape(num_heads, 2, head_dim // 2, dim)  # (heads, part r, pair i, dim)
-    return halves.transpose(1, 2).reshape(rows, dim)  # (heads, pair i, part r, dim) flattened to rows
 
 
 def rope_heads(fqn: str, args: ModelArgs) -> int | None:
@@ -112,37 +95,49 @@ def rope_heads(fqn: str, args: ModelArgs) -> int | None:
     return None
 
 
-def to_hf_state_dict(state_dict: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """A full (unsharded) Titan model state dict as a LlamaForCausalLM one: HF names, wq/wk rows in the
-    rotate-half layout, embedding and output cut to the real vocab_size rows. Dtypes are kept."""
-    check_tensors(state_dict, titan_shapes(args), "The Titan state dict")
-    hf = {}
-    for fqn, hf_name in hf_names(args).items():
-        tensor = state_dict[fqn]
-        heads = rope_heads(fqn, args)
-        if heads is not None:
-            tensor = interleaved_to_rotate_half(tensor, heads)
-        elif fqn in VOCAB_FQNS:
-            tensor = tensor[: args.vocab_size]
-        hf[hf_name] = tensor
-    return hf
+def rotate_half_rows(rows: Tensor, head_dim: int) -> Tensor:
+    """HF row of each Titan wq/wk row in `rows`: within its head, Titan row 2i + r is HF row r * head_dim/2 + i."""
+    head, channel = rows // head_dim, rows % head_dim
+    return head * head_dim + (channel % 2) * (head_dim // 2) + channel // 2
 
 
-def from_hf_state_dict(hf: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """A LlamaForCausalLM state dict as a Titan one: the inverse of to_hf_state_dict. The padding rows of the
-    embedding and output are zeros. Dtypes are kept."""
-    check_tensors(hf, hf_shapes(args), "The Hugging Face state dict")
-    padding_rows = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of) - args.vocab_size
-    state_dict = {}
-    for fqn, hf_name in hf_names(args).items():
-        tensor = hf[hf_name]
-        heads = rope_heads(fqn, args)
-        if heads is not None:
-            tensor = rotate_half_to_interleaved(tensor, heads)
-        elif fqn in VOCAB_FQNS:
-            tensor = torch.cat([tensor, tensor.new_zeros(padding_rows, args.dim)])
-        state_dict[fqn] = tensor
-    return state_dict
+@dataclass(frozen=True)
+class RowBlock:
+    """HF rows hf_row, hf_row + 1, ... of a tensor hold the rows `local_rows` of a Titan chunk, in that order."""
+
+    hf_row: int
+    local_rows: Tensor  # int64 indices into the chunk's dim 0
+
+    @property
+    def contiguous_start(self) -> int | None:
+        """The first local row if the local rows are consecutive (the block is a plain slice of the chunk)."""
+        first = int(self.local_rows[0])
+        return first if int(self.local_rows[-1]) - first + 1 == len(self.local_rows) else None
+
+
+def row_blocks(fqn: str, first_row: int, num_rows: int, args: ModelArgs) -> list[RowBlock]:
+    """Where rows [first_row, first_row + num_rows) of the Titan tensor `fqn` (one rank's chunk of it) lie in the HF
+    tensor, as runs of consecutive HF rows. This is what lets each rank read and write only its own shard: FSDP and
+    TP chunk every tensor into row ranges (TP's column shards keep all rows), and a row range maps to
+
+    - itself, for tensors with the same layout in both;
+    - itself cut at vocab_size, for the embedding and output, whose padding rows have no HF row;
+    - at most three HF runs for wq/wk: the permutation stays inside a head, so whole heads map onto the same rows,
+      and a head cut by the chunk's start or end splits into its even (first HF half) and odd (second half) rows.
+    """
+    end = first_row + num_rows
+    if fqn in VOCAB_FQNS:
+        end = min(end, args.vocab_size)
+    if end <= first_row:
+        return []
+    rows = torch.arange(first_row, end)
+    heads = rope_heads(fqn, args)
+    if heads is None:
+        return [RowBlock(first_row, rows - first_row)]
+    hf_rows, local_rows = torch.sort(rotate_half_rows(rows, args.dim // args.n_heads))
+    breaks = (torch.diff(hf_rows) != 1).nonzero().flatten() + 1  # where one run of consecutive HF rows ends
+    return [RowBlock(int(run[0]), local) for run, local in zip(hf_rows.tensor_split(breaks),
+                                                               local_rows.tensor_split(breaks))]
 
 
 def hf_rope_scaling(args: ModelArgs) -> dict[str, float | int | str] | None:
@@ -216,18 +211,3 @@ def check_hf_config(config: dict, args: ModelArgs, path: Path) -> None:
     if problems:
         problems.append("Pick the --model.flavor and --model.tokenizer_path this checkpoint was made for.")
         raise ConfigError(problems)
-
-
-def load_hf_weights(folder: str | Path, args: ModelArgs) -> dict[str, Tensor]:
-    """A Titan state dict from a Hugging Face LlamaForCausalLM folder (safetensors, single or sharded),
-    after checking its config.json, if there is one, against `args`."""
-    folder = Path(folder)
-    config_path = folder / HF_CONFIG_FILE
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    if config:
-        check_hf_config(config, args, config_path)
-    hf = load_folder(folder)
-    # Tied checkpoints (Meta's Llama 3.2 1B and 3B) store only the embedding; Titan's output is its own copy.
-    if config.get("tie_word_embeddings") and HF_OUTPUT not in hf:
-        hf[HF_OUTPUT] = hf[HF_EMBEDDING]
-    return from_hf_state_dict(hf, args)

@@ -323,8 +323,12 @@ class Checkpoint:
     last_save_model_only: bool = False
     """Make the checkpoint of the last step a weights-only export in --checkpoint.export_dtype (smaller, but a
     run cannot be extended from it)."""
+    last_save_in_hf: bool = False
+    """Write the checkpoint of the last step as a Hugging Face Llama folder instead (safetensors shards with their
+    index, config.json and the tokenizer, in --checkpoint.export_dtype), straight from the sharded model: it loads
+    with transformers' LlamaForCausalLM.from_pretrained. Weights only, so a run cannot be extended from it."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Dtype of the weights in a --checkpoint.last_save_model_only export."""
+    """Dtype of the weights in a --checkpoint.last_save_model_only or --checkpoint.last_save_in_hf export."""
     create_seed_checkpoint: bool = False
     """Initialise the model on one process, save it as step 0 and exit; later runs at any scale with this
     --checkpoint.folder start from exactly these weights."""

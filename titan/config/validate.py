@@ -516,6 +516,9 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     if ckpt.initial_load_in_hf and ckpt.initial_load_path is None:
         problems.append("--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path, the Hugging Face folder "
                         "to load.")
+    if ckpt.last_save_in_hf and not ckpt.enable:
+        problems.append("--checkpoint.last_save_in_hf exports the last step's checkpoint, but --checkpoint.enable is "
+                        "off, so no checkpoint is written. Add --checkpoint.enable.")
     if ckpt.initial_load_path is not None and not os.path.isdir(ckpt.initial_load_path):
         problems.append(f"--checkpoint.initial_load_path {ckpt.initial_load_path!r} is not a folder. Give a checkpoint "
                         f"step folder (e.g. outputs/checkpoint/step-1000) or a Hugging Face model folder.")

@@ -124,7 +124,8 @@ class Trainer:
         self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
                                                             dp_degree) if cfg.validation.enable else None)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, model_fqns)
+                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, model_fqns,
+                                         self.tokenizer)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)

@@ -1,0 +1,341 @@
+"""Hugging Face folders into and out of a (sharded) Titan model, through torch.distributed.checkpoint's Hugging Face
+storage: each rank reads and writes only the rows of its own shards, and no rank ever holds the whole model.
+
+Load (load_hf): inspect_folder checks the folder on every rank before any tensor data is read: config.json, the
+index, every shard's header (through the `safetensors` package, which rejects truncated files, overlapping or
+out-of-range offsets and oversized headers), and the names, shapes and dtypes of the weights. HFLoadPlanner then
+asks HuggingFaceStorageReader for the HF rows of each local chunk (hf.row_blocks): RoPE rows land directly in their
+interleaved place, vocab padding rows are zeroed, and nothing outside the chunk is read or allocated.
+
+Save (save_hf): HFSavePlanner hands each rank's rows to HuggingFaceStorageWriter in HF layout and the export dtype;
+each rank writes its chunks under <folder>/sharded, then torch's consolidate_safetensors_files_on_every_rank builds
+the output files, each file by one rank and one tensor at a time, and the sharded files are deleted. The peak on a
+rank is its own chunks (twice: tensors and their serialised bytes) plus the largest tensor of a file it assembles.
+"""
+
+import dataclasses
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+# Public only as HuggingFaceStorageWriter(enable_consolidation=True), which consolidates on rank 0 alone; calling them
+# directly spreads the output files over the ranks.
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
+    consolidate_safetensors_files_on_every_rank,
+)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from titan.checkpoint.hf import (
+    HF_CONFIG_FILE,
+    HF_EMBEDDING,
+    HF_OUTPUT,
+    VOCAB_FQNS,
+    RowBlock,
+    check_hf_config,
+    check_shapes,
+    hf_config,
+    hf_names,
+    hf_shapes,
+    row_blocks,
+    titan_shapes,
+)
+from titan.config.errors import ConfigError
+from titan.data.hf_tokenizer import write_hf_tokenizer
+from titan.data.tokenizer import Tokenizer
+from titan.models.llama.args import ModelArgs
+
+INDEX_FILE = "model.safetensors.index.json"
+SHARDED_FOLDER = "sharded"
+# transformers' save_pretrained default shard size ("5GB").
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+# safetensors dtype names a weight may have: any float, converted to the model's dtype as it is read.
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+COPY_AGAIN = "Copy or download the folder again."
+
+
+def local_chunk(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """This rank's part of `tensor` and where it starts in the full tensor: a DTensor's local shard (FSDP and TP
+    shards are boxes, which DCP's own chunk protocol describes), or a plain tensor whole."""
+    if isinstance(tensor, DTensor):
+        (chunk,) = tensor.__create_chunk_list__()
+        return tensor.to_local(), tuple(chunk.offsets)
+    return tensor, (0,) * tensor.dim()
+
+
+# ---- inspecting a folder before loading ----
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"{path} is not readable JSON ({error}). {COPY_AGAIN}") from None
+
+
+def read_config(folder: Path, args: ModelArgs) -> dict:
+    """config.json ({} if the folder has none), checked to describe a Llama model of Titan's shape."""
+    path = folder / HF_CONFIG_FILE
+    if not path.is_file():
+        return {}
+    config = read_json(path)
+    architectures = config.get("architectures") or ["LlamaForCausalLM"]
+    if config.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in architectures:
+        raise ConfigError(f"{path} describes a {config.get('model_type')!r} model ({architectures}), not a Llama "
+                          f"(LlamaForCausalLM). Point --checkpoint.initial_load_path at a Llama folder.")
+    check_hf_config(config, args, path)
+    return config
+
+
+def weight_files(folder: Path) -> dict[Path, set[str] | None]:
+    """The safetensors files to read, each with the tensor names the index puts in it (None without an index)."""
+    if not folder.is_dir():
+        raise ConfigError(f"Hugging Face folder {folder} does not exist. Pass a folder written by save_pretrained "
+                          f"or by Titan (--checkpoint.last_save_in_hf, scripts/convert_to_hf.py).")
+    present = sorted(folder.glob("*.safetensors"))
+    index_path = folder / INDEX_FILE
+    if not index_path.is_file():
+        if len(present) != 1:
+            raise ConfigError(f"{folder} has {len(present)} .safetensors files and no {INDEX_FILE}: expected one "
+                              f"model.safetensors, or shards with their index. {COPY_AGAIN}")
+        return {present[0]: None}
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index_path} has no weight_map. {COPY_AGAIN}")
+    files: dict[Path, set[str] | None] = {}
+    for name, file_name in weight_map.items():
+        files.setdefault(folder / file_name, set()).add(name)
+    missing = [path.name for path in files if not path.is_file()]
+    if missing:
+        raise ConfigError(f"{index_path} lists {missing}, which {'is' if len(missing) == 1 else 'are'} not in "
+                          f"{folder}. Copy the missing shards, or the whole folder again.")
+    stray = [path.name for path in present if path not in files]
+    if stray:
+        raise ConfigError(f"{folder} holds {stray}, which {INDEX_FILE} doesn't list (left over from another "
+                          f"model?). Remove {'it' if len(stray) == 1 else 'them'} or copy the folder again.")
+    return files
+
+
+def read_headers(files: dict[Path, set[str] | None]) -> dict[str, tuple[Path, torch.Size, str]]:
+    """HF name -> (file, shape, safetensors dtype) of every tensor, from the headers alone."""
+    tensors: dict[str, tuple[Path, torch.Size, str]] = {}
+    for path, listed in files.items():
+        try:
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    view = f.get_slice(name)
+                    tensors[name] = (path, torch.Size(view.get_shape()), view.get_dtype())
+        except (SafetensorError, OSError) as error:
+            raise ConfigError(f"{path} is not a valid safetensors file ({error}): it is truncated or corrupt. "
+                              f"{COPY_AGAIN}") from None
+        held = {name for name, (file, _, _) in tensors.items() if file == path}
+        if listed is not None and listed - held:
+            raise ConfigError(f"{path.parent / INDEX_FILE} puts {sorted(listed - held)[:8]} in {path.name}, which "
+                              f"doesn't hold them: the index is stale or the shard is from another model. "
+                              f"{COPY_AGAIN}")
+    return tensors
+
+
+def inspect_folder(folder: Path, args: ModelArgs) -> dict[str, str]:
+    """Check a Hugging Face Llama folder against `args` without reading tensor data, and return the HF tensor that
+    fills each Titan FQN. One ConfigError names every problem and its file."""
+    config = read_config(folder, args)
+    tensors = read_headers(weight_files(folder))
+    names = hf_names(args)
+    # Tied checkpoints (Meta's Llama 3.2 1B and 3B) store only the embedding; Titan's output is its own copy.
+    if config.get("tie_word_embeddings") and HF_OUTPUT not in tensors:
+        names["output.weight"] = HF_EMBEDDING
+    expected = {hf: shape for hf, shape in hf_shapes(args).items() if hf in names.values()}
+    check_shapes({name: shape for name, (_, shape, _) in tensors.items()}, expected, f"Hugging Face folder {folder}")
+    wrong_dtypes = [f"{name} is {dtype} in {file.name}" for name, (file, _, dtype) in tensors.items()
+                    if dtype not in FLOAT_DTYPES]
+    if wrong_dtypes:
+        raise ConfigError(f"Hugging Face folder {folder} has weights that are not floating point: "
+                          f"{'; '.join(wrong_dtypes[:8])}. {COPY_AGAIN}")
+    return names
+
+
+# ---- loading ----
+
+class HFLoadPlanner(DefaultLoadPlanner):
+    """Reads, for every local chunk of the Titan state dict, the HF rows that hold it (one read per row block)."""
+
+    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: ModelArgs) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
+        self.reads: list[ReadItem] = []
+        self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
+        for fqn, tensor in state_dict.items():
+            local, offsets = local_chunk(tensor)
+            for block in row_blocks(fqn, offsets[0], local.shape[0], args):
+                storage_offsets = torch.Size([block.hf_row, *offsets[1:]])
+                dest = MetadataIndex(fqn, storage_offsets)
+                self.reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
+                                           dest_offsets=torch.Size([0] * local.dim()),
+                                           storage_index=MetadataIndex(sources[fqn], [0] * local.dim()),
+                                           storage_offsets=storage_offsets,
+                                           lengths=torch.Size([len(block.local_rows), *local.shape[1:]])))
+                self.blocks[dest] = (local, block)
+
+    def create_local_plan(self) -> LoadPlan:
+        return LoadPlan(self.reads)
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        """Where the reader copies the rows: the chunk itself if they are a slice of it, else a buffer."""
+        local, block = self.blocks[read_item.dest_index]
+        start = block.contiguous_start
+        if start is not None:
+            return local.narrow(0, start, len(block.local_rows))
+        return torch.empty(read_item.lengths, dtype=local.dtype, device=local.device)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        local, block = self.blocks[read_item.dest_index]
+        if block.contiguous_start is None:
+            local.index_copy_(0, block.local_rows.to(local.device), tensor)
+
+
+def load_hf(folder: Path, state_dict: dict[str, Tensor], args: ModelArgs) -> None:
+    """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
+    Face folder. Every rank calls this; each reads only its own rows."""
+    sources = inspect_folder(folder, args)
+    with torch.no_grad():
+        dcp.load(state_dict, storage_reader=HuggingFaceStorageReader(str(folder)),
+                 planner=HFLoadPlanner(state_dict, sources, args), no_dist=not dist.is_initialized())
+        for fqn in VOCAB_FQNS:
+            if fqn in state_dict:
+                local, offsets = local_chunk(state_dict[fqn])
+                local[max(0, args.vocab_size - offsets[0]):].zero_()  # padding rows: no HF row, never trained
+
+
+def read_hf_weights(folder: Path, args: ModelArgs) -> dict[str, Tensor]:
+    """The whole model as a float32 Titan state dict on this process, from a Hugging Face folder (the scripts)."""
+    state_dict = {fqn: torch.empty(shape) for fqn, shape in titan_shapes(args).items()}
+    load_hf(folder, state_dict, args)
+    return state_dict
+
+
+# ---- saving ----
+
+class HFSavePlanner(DefaultSavePlanner):
+    """Writes every local chunk of the Titan state dict as HF rows (one chunk per row block) in `dtype`."""
+
+    def __init__(self, state_dict: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
+        self.dtype = dtype
+        self.writes: list[WriteItem] = []
+        self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
+        names, shapes = hf_names(args), hf_shapes(args)
+        for fqn, tensor in state_dict.items():
+            local, offsets = local_chunk(tensor)
+            for block in row_blocks(fqn, offsets[0], local.shape[0], args):
+                chunk = ChunkStorageMetadata(offsets=torch.Size([block.hf_row, *offsets[1:]]),
+                                             sizes=torch.Size([len(block.local_rows), *local.shape[1:]]))
+                index = MetadataIndex(names[fqn], chunk.offsets)
+                # A replicated tensor (a norm under TP) gives every rank the same index; DCP keeps one writer.
+                self.writes.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    chunk=chunk, properties=TensorProperties(dtype=dtype), size=shapes[names[fqn]])))
+                self.blocks[index] = (local, block)
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan(self.writes)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor:
+        local, block = self.blocks[write_item.index]  # MetadataIndex ignores the plan's index hint in == and hash
+        start = block.contiguous_start
+        rows = (local.narrow(0, start, len(block.local_rows)) if start is not None
+                else local.index_select(0, block.local_rows.to(local.device)))
+        return rows.to(self.dtype)
+
+
+class ShardedHFWriter(HuggingFaceStorageWriter):
+    """HuggingFaceStorageWriter(save_distributed=True) that takes several chunks of one tensor from one rank.
+
+    The writer puts a rank's chunks into a safetensors file keyed by tensor name, so one file holds one chunk per
+    tensor. A wq/wk shard that starts or ends inside a head has up to three (hf.row_blocks), so the n-th chunk of
+    each tensor goes to the rank's n-th file; consolidation reads chunks from any number of files.
+    """
+
+    def __init__(self, path: Path, fqn_to_index_mapping: dict[str, int]) -> None:
+        super().__init__(str(path), fqn_to_index_mapping=fqn_to_index_mapping, save_distributed=True)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        plans = super().prepare_global_plan(plans)
+        return [dataclasses.replace(plan, storage_data={**plan.storage_data, "num_ranks": len(plans)})
+                for plan in plans]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        layers: list[list[WriteItem]] = []
+        seen: Counter[str] = Counter()
+        for item in plan.items:
+            layer = seen[item.index.fqn]
+            seen[item.index.fqn] += 1
+            if layer == len(layers):
+                layers.append([])
+            layers[layer].append(item)
+        results: list[WriteResult] = []
+        for layer, items in enumerate(layers):
+            # shard_index counts ranks from 1; layers after the first take numbers past every rank's.
+            shard_index = plan.storage_data["shard_index"] + layer * plan.storage_data["num_ranks"]
+            storage_data = {**plan.storage_data, "shard_index": shard_index}
+            results += super().write_data(dataclasses.replace(plan, items=items, storage_data=storage_data),
+                                          planner).wait()
+        written: Future[list[WriteResult]] = Future()
+        written.set_result(results)
+        return written
+
+
+def file_indices(args: ModelArgs, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
+    """HF name -> output file number (from 1), in HF order, starting a new file before one would pass
+    max_shard_bytes (a larger tensor gets a file of its own), as save_pretrained shards."""
+    indices: dict[str, int] = {}
+    index, file_bytes = 1, 0
+    for name, shape in hf_shapes(args).items():
+        size = shape.numel() * dtype.itemsize
+        if file_bytes and file_bytes + size > max_shard_bytes:
+            index, file_bytes = index + 1, 0
+        indices[name] = index
+        file_bytes += size
+    return indices
+
+
+def save_hf(state_dict: dict[str, Tensor], folder: Path, args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer,
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face Llama folder:
+    safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    indices = file_indices(args, dtype, max_shard_bytes)
+    sharded = folder / SHARDED_FOLDER
+    with torch.no_grad():
+        dcp.save(state_dict, storage_writer=ShardedHFWriter(sharded, indices),
+                 planner=HFSavePlanner(state_dict, args, dtype), no_dist=not dist.is_initialized())
+    if dist.is_initialized():
+        # Each rank assembles some output files; rank 0 writes the index. Ends with a barrier, so every file is
+        # complete before rank 0 cleans up.
+        consolidate_safetensors_files_on_every_rank(str(sharded), str(folder), indices)
+    else:
+        consolidate_safetensors_files(str(sharded), str(folder), indices)
+    if rank == 0:
+        shutil.rmtree(sharded)
+        config = hf_config(args, dtype, bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+        (folder / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        write_hf_tokenizer(tokenizer, folder)
