@@ -111,8 +111,8 @@ class RowBlock:
     @property
     def contiguous_start(self) -> int | None:
         """The first local row if the local rows are consecutive (the block is a plain slice of the chunk)."""
-        first = int(self.local_rows[0])
-        return first if int(self.local_rows[-1]) - first + 1 == len(self.local_rows) else None
+        consecutive = len(self.local_rows) == 1 or bool((torch.diff(self.local_rows) == 1).all())
+        return int(self.local_rows[0]) if consecutive else None
 
 
 def row_blocks(fqn: str, first_row: int, num_rows: int, args: ModelArgs) -> list[RowBlock]:
