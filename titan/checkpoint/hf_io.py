@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
+    LoadPlanner,
     ReadItem,
     SavePlan,
     SavePlanner,
@@ -213,12 +214,30 @@ class HFLoadPlanner(DefaultLoadPlanner):
             local.index_copy_(0, block.local_rows.to(local.device), tensor)
 
 
+class BlockReader(HuggingFaceStorageReader):
+    """HuggingFaceStorageReader that maps a file for one read at a time. The stock reader keeps each file mapped while
+    it serves all of that file's reads, and every page a read touches stays in the rank's resident memory until then:
+    for a column-sharded (TP) tensor that is all of its pages, and read-ahead maps neighbouring rows too. Mapping
+    per read bounds the pages held to one row block, at most the largest tensor."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for item in plan.items:
+            boxes = tuple(slice(offset, offset + length) for offset, length in zip(item.storage_offsets, item.lengths))
+            target = planner.resolve_tensor(item)
+            with safe_open(self.storage_data[item.storage_index].relative_path, framework="pt") as f:
+                target.copy_(f.get_slice(item.storage_index.fqn)[boxes])
+            planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+
 def load_hf(folder: Path, state_dict: dict[str, Tensor], args: ModelArgs) -> None:
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
     Face folder. Every rank calls this; each reads only its own rows."""
     sources = inspect_folder(folder, args)
     with torch.no_grad():
-        dcp.load(state_dict, storage_reader=HuggingFaceStorageReader(str(folder)),
+        dcp.load(state_dict, storage_reader=BlockReader(str(folder)),
                  planner=HFLoadPlanner(state_dict, sources, args), no_dist=not dist.is_initialized())
         for fqn in VOCAB_FQNS:
             if fqn in state_dict:
