@@ -1,40 +1,42 @@
-"""Hugging Face interop: the safetensors format, Titan <-> LlamaForCausalLM weights (names, RoPE layout, vocab
-padding, config.json), reading DCP step folders on one process, and the convert/generate scripts end to end."""
+"""Hugging Face interop on one process: Titan <-> LlamaForCausalLM weights (names, RoPE rows, vocab padding,
+config.json) through hf_io's DCP storage, malformed folders, --checkpoint.last_save_in_hf and
+--checkpoint.initial_load_in_hf through train.py, and the convert/generate scripts end to end. The safetensors format
+itself is the `safetensors` package's; multi-rank layouts are tests/test_hf_sharded.py's."""
 
 import dataclasses
 import importlib
-import itertools
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from train_script import losses_by_step, metric_records
 
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import (
+    HF_CONFIG_FILE,
+    VOCAB_FQNS,
     check_hf_config,
-    from_hf_state_dict,
     hf_config,
-    interleaved_to_rotate_half,
-    load_hf_weights,
-    rotate_half_to_interleaved,
-    to_hf_state_dict,
+    hf_names,
+    rotate_half_rows,
+    row_blocks,
 )
-from titan.checkpoint.safetensors import (
-    DTYPES,
+from titan.checkpoint.hf_io import (
     INDEX_FILE,
-    SINGLE_FILE,
-    load_file,
-    load_file_with_metadata,
-    load_folder,
-    save_file,
-    save_folder,
+    SHARDED_FOLDER,
+    inspect_folder,
+    read_hf_weights,
+    save_hf,
 )
 from titan.config.errors import ConfigError
 from titan.data.tokenizer import build_tokenizer
@@ -54,6 +56,11 @@ TOKENIZER = build_tokenizer("tokenizers/titan_2256.tiktoken")
 # RoPE scaling that bites within a few dozen positions, so a wrong rope_scaling export shows in the logits.
 SHORT_CONTEXT_SCALING = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                     original_max_position_embeddings=64)
+# About 3 MB per layer in float32: the debug model's float32 export spreads over 6 files.
+SMALL_SHARD_BYTES = 4 * 10**6
+# The debug model on a tiny batch, fp32, a loss record every step: a train.py step takes well under a second.
+TINY_RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1",
+            "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32"]
 
 
 def build(args: ModelArgs, seed: int = 0) -> Transformer:
@@ -72,42 +79,43 @@ def debug_model() -> Transformer:
     return build(DEBUG)
 
 
+@pytest.fixture(scope="module")
+def hf_folder(debug_model: Transformer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The debug model as a float32 Hugging Face folder in 6 shards. Read-only: tests that damage it copy it."""
+    folder = tmp_path_factory.mktemp("hf")
+    save_hf(debug_model.state_dict(), folder, DEBUG, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
+    return folder
+
+
 def with_zero_padding(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """`state_dict` with the padding rows of the embedding and output zeroed, as an HF import leaves them."""
     padded = dict(state_dict)
-    for fqn in ("tok_embeddings.weight", "output.weight"):
+    for fqn in VOCAB_FQNS:
         padded[fqn] = state_dict[fqn].clone()
         padded[fqn][args.vocab_size:] = 0
     return padded
 
 
-def write_hf_folder(model: Transformer, folder: Path, max_shard_bytes: int = 10**9) -> None:
-    """Export `model` to `folder` as convert_to_hf.py does, in float32."""
-    save_folder(to_hf_state_dict(model.state_dict(), model.args), folder, max_shard_bytes)
-    config = hf_config(model.args, torch.float32, bos_token_id=TOKENIZER.bos_id, eos_token_id=TOKENIZER.eos_id)
-    (folder / "config.json").write_text(json.dumps(config))
-
-
-def save_dcp(state: dict, folder: Path) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=folder, no_dist=True)
-
-
-def sample_tensors() -> dict[str, torch.Tensor]:
-    """One tensor per supported dtype, plus a 0-dim, an empty and a non-contiguous one."""
-    torch.manual_seed(0)
+def expected_hf_tensors(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The HF tensors of a Titan state dict, whole tensors at a time from the layout in hf.py's docstring (the code
+    under test goes row block by row block): vocab rows cut at vocab_size, wq/wk rows moved to their HF rows."""
+    head_dim = args.dim // args.n_heads
     tensors = {}
-    for name, dtype in DTYPES.items():
-        if dtype.is_floating_point:
-            tensors[name] = torch.randn(3, 5).to(dtype)
-        elif dtype == torch.bool:
-            tensors[name] = torch.rand(3, 5) > 0.5
-        else:
-            tensors[name] = torch.randint(0, 100, (3, 5), dtype=dtype)
-    tensors["scalar"] = torch.tensor(2.5)
-    tensors["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
-    tensors["transposed"] = torch.randn(4, 6).t()
+    for fqn, hf_name in hf_names(args).items():
+        tensor = state_dict[fqn][:args.vocab_size] if fqn in VOCAB_FQNS else state_dict[fqn]
+        if fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
+            permuted = torch.empty_like(tensor)
+            permuted[rotate_half_rows(torch.arange(len(tensor)), head_dim)] = tensor
+            tensor = permuted
+        tensors[hf_name] = tensor
+    return tensors
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every .safetensors file in `folder`, read by the `safetensors` package."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
     return tensors
 
 
@@ -115,95 +123,43 @@ def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        # Compare bytes: float8 has no equality kernel on CPU, and bytes are what the format promises.
-        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+        assert torch.equal(got[name], tensor), name
 
 
-def test_safetensors_round_trip_every_dtype(tmp_path: Path) -> None:
-    tensors = sample_tensors()
-    save_file(tensors, tmp_path / "t.safetensors", metadata={"format": "pt", "step": "20"})
-    loaded, metadata = load_file_with_metadata(tmp_path / "t.safetensors")
-    assert_same_tensors(loaded, tensors)
-    assert metadata == {"format": "pt", "step": "20"}
-    raw = (tmp_path / "t.safetensors").read_bytes()
-    (header_length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + header_length])
-    assert header_length % 8 == 0
-    # Tensors sit back to back from the end of the header, each aligned to its element size.
-    spans = sorted(entry["data_offsets"] for name, entry in header.items() if name != "__metadata__")
-    assert spans[0][0] == 0 and spans[-1][1] == len(raw) - 8 - header_length
-    assert all(end == next_begin for (_, end), (next_begin, _) in itertools.pairwise(spans))
-    for name, entry in header.items():
-        if name != "__metadata__":
-            assert entry["data_offsets"][0] % tensors[name].element_size() == 0, name
+def save_dcp(state: dict, folder: Path) -> None:
+    dcp.save(state, checkpoint_id=folder, no_dist=True)
 
 
-def test_safetensors_rejects_truncated_file(tmp_path: Path) -> None:
-    save_file({"w": torch.randn(64, 64)}, tmp_path / "t.safetensors")
-    raw = (tmp_path / "t.safetensors").read_bytes()
-    (tmp_path / "t.safetensors").write_bytes(raw[:-100])
-    with pytest.raises(ConfigError, match="truncated"):
-        load_file(tmp_path / "t.safetensors")
-
-
-def test_save_folder_single_file_and_shards(tmp_path: Path) -> None:
-    tensors = {f"layers.{i}.w": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
-    assert save_folder(tensors, tmp_path / "one", max_shard_bytes=10**6) == [tmp_path / "one" / SINGLE_FILE]
-    assert_same_tensors(load_folder(tmp_path / "one"), tensors)
-
-    files = save_folder(tensors, tmp_path / "sharded", max_shard_bytes=2048)
-    assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + [INDEX_FILE]
-    index = json.loads((tmp_path / "sharded" / INDEX_FILE).read_text())
-    assert index["metadata"]["total_size"] == 5 * 16 * 16 * 4
-    assert index["weight_map"]["layers.4.w"] == "model-00003-of-00003.safetensors"
-    assert_same_tensors(load_folder(tmp_path / "sharded"), tensors)
-
-    (tmp_path / "sharded" / "model-00002-of-00003.safetensors").unlink()
-    with pytest.raises(ConfigError, match="model-00002-of-00003.safetensors"):
-        load_folder(tmp_path / "sharded")
-    with pytest.raises(ConfigError, match="neither model.safetensors nor"):
-        load_folder(tmp_path)
-
-
-def test_safetensors_package_reads_ours_and_we_read_its(tmp_path: Path) -> None:
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    tensors = {name: t.contiguous() for name, t in sample_tensors().items()}
-    save_file(tensors, tmp_path / "ours.safetensors", metadata={"format": "pt"})
-    assert_same_tensors(safetensors_torch.load_file(tmp_path / "ours.safetensors"), tensors)
-
-    safetensors_torch.save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
-    loaded, metadata = load_file_with_metadata(tmp_path / "theirs.safetensors")
-    assert_same_tensors(loaded, tensors)
-    assert metadata == {"format": "pt"}
-
-    # Same tensor order and header layout: a one-dtype checkpoint comes out byte for byte the same.
-    weights = {name: torch.randn(8, 4).to(torch.bfloat16) for name in ("b", "a", "c")}
-    save_file(weights, tmp_path / "ours_bf16.safetensors", metadata={"format": "pt"})
-    safetensors_torch.save_file(weights, tmp_path / "theirs_bf16.safetensors", metadata={"format": "pt"})
-    assert (tmp_path / "ours_bf16.safetensors").read_bytes() == (tmp_path / "theirs_bf16.safetensors").read_bytes()
-
-
-def test_titan_hf_titan_round_trip_is_exact(debug_model: Transformer) -> None:
+def test_titan_hf_titan_round_trip_is_exact(debug_model: Transformer, tmp_path: Path) -> None:
     state_dict = debug_model.state_dict()
-    hf = to_hf_state_dict(state_dict, DEBUG)
+    save_hf(state_dict, tmp_path, DEBUG, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    shards = sorted(path.name for path in tmp_path.glob("*.safetensors"))
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert not (tmp_path / SHARDED_FOLDER).exists()  # the per-rank files are gone once consolidated
+
+    hf = read_safetensors(tmp_path)
     assert len(hf) == len(state_dict) == 3 + 9 * DEBUG.n_layers
     assert hf["model.embed_tokens.weight"].shape == hf["lm_head.weight"].shape == (VOCAB, DEBUG.dim)
     assert torch.equal(hf["model.layers.3.mlp.gate_proj.weight"], state_dict["layers.3.feed_forward.w1.weight"])
     assert torch.equal(hf["model.layers.3.mlp.up_proj.weight"], state_dict["layers.3.feed_forward.w3.weight"])
     assert torch.equal(hf["model.layers.3.mlp.down_proj.weight"], state_dict["layers.3.feed_forward.w2.weight"])
     assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], state_dict["layers.0.attention.wv.weight"])
-    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], state_dict["layers.0.attention.wq.weight"])
+    head_dim = DEBUG.dim // DEBUG.n_heads
+    wq = state_dict["layers.0.attention.wq.weight"]
+    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], wq)
+    assert torch.equal(hf["model.layers.0.self_attn.q_proj.weight"][rotate_half_rows(torch.arange(len(wq)), head_dim)],
+                       wq)
+    assert_same_tensors(hf, expected_hf_tensors(state_dict, DEBUG))
 
-    back = from_hf_state_dict(hf, DEBUG)
+    back = read_hf_weights(tmp_path, DEBUG)
     assert list(back) == list(state_dict)
-    expected = with_zero_padding(state_dict, DEBUG)
-    for fqn, tensor in expected.items():
-        assert torch.equal(back[fqn], tensor), fqn
+    assert_same_tensors(back, with_zero_padding(state_dict, DEBUG))
 
 
 def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
     """Titan's interleaved-pair RoPE on Titan weights vs HF's rotate-half RoPE, written here from its formula
-    (q cos + rotate_half(q) sin with the angles repeated over both halves), on the exported weights."""
+    (q cos + rotate_half(q) sin with the angles repeated over both halves), on weights moved to their HF rows."""
     args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32,
                      rope_scaling=SHORT_CONTEXT_SCALING)
     head_dim, seq = args.dim // args.n_heads, 24
@@ -222,82 +178,109 @@ def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
         k = k.repeat_interleave(args.n_heads // args.n_kv_heads, dim=2)  # query head h reads kv head h // n_rep
         return torch.einsum("bqhd,bkhd->bhqk", q, k)
 
-    titan_q = apply_rotary_emb(attention.wq(x).view(1, seq, args.n_heads, head_dim), rope_cache)
-    titan_k = apply_rotary_emb(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim), rope_cache)
-    hf_wq = interleaved_to_rotate_half(attention.wq.weight, args.n_heads)
-    hf_wk = interleaved_to_rotate_half(attention.wk.weight, args.n_kv_heads)
-    hf_q = rotate_half_rope((x @ hf_wq.T).view(1, seq, args.n_heads, head_dim))
-    hf_k = rotate_half_rope((x @ hf_wk.T).view(1, seq, args.n_kv_heads, head_dim))
-    torch.testing.assert_close(scores(hf_q, hf_k), scores(titan_q, titan_k), rtol=1e-5, atol=1e-5)
-    # HF channel i is Titan channel 2i, and HF channel i + head_dim/2 is Titan channel 2i + 1.
-    titan_order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
-    torch.testing.assert_close(hf_q, titan_q[..., titan_order], rtol=1e-5, atol=1e-5)
+    def to_hf_rows(weight: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(len(weight))
+        assert torch.equal(rotate_half_rows(rows, head_dim).sort().values, rows)  # a permutation of the rows
+        hf_weight = torch.empty_like(weight)
+        hf_weight[rotate_half_rows(rows, head_dim)] = weight
+        return hf_weight
 
-    # The check has teeth: unpermuted weights in the rotate-half formula give other scores.
-    unpermuted_q = rotate_half_rope(attention.wq(x).view(1, seq, args.n_heads, head_dim))
-    unpermuted_k = rotate_half_rope(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim))
-    assert not torch.allclose(scores(unpermuted_q, unpermuted_k), scores(titan_q, titan_k), atol=1e-3)
-    assert torch.equal(rotate_half_to_interleaved(hf_wq, args.n_heads), attention.wq.weight)
+    with torch.no_grad():
+        titan_q = apply_rotary_emb(attention.wq(x).view(1, seq, args.n_heads, head_dim), rope_cache)
+        titan_k = apply_rotary_emb(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim), rope_cache)
+        hf_q = rotate_half_rope((x @ to_hf_rows(attention.wq.weight).T).view(1, seq, args.n_heads, head_dim))
+        hf_k = rotate_half_rope((x @ to_hf_rows(attention.wk.weight).T).view(1, seq, args.n_kv_heads, head_dim))
+        torch.testing.assert_close(scores(hf_q, hf_k), scores(titan_q, titan_k), rtol=1e-5, atol=1e-5)
+        # HF channel i is Titan channel 2i, and HF channel i + head_dim/2 is Titan channel 2i + 1.
+        titan_order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+        torch.testing.assert_close(hf_q, titan_q[..., titan_order], rtol=1e-5, atol=1e-5)
+
+        # The check has teeth: unpermuted weights in the rotate-half formula give other scores.
+        unpermuted_q = rotate_half_rope(attention.wq(x).view(1, seq, args.n_heads, head_dim))
+        unpermuted_k = rotate_half_rope(attention.wk(x).view(1, seq, args.n_kv_heads, head_dim))
+        assert not torch.allclose(scores(unpermuted_q, unpermuted_k), scores(titan_q, titan_k), atol=1e-3)
 
 
-def test_from_hf_names_every_bad_tensor(debug_model: Transformer) -> None:
-    hf = to_hf_state_dict(debug_model.state_dict(), DEBUG)
-    del hf["model.layers.2.self_attn.k_proj.weight"]
-    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(8)
-    hf["model.norm.weight"] = torch.ones(DEBUG.dim + 1)
+def test_row_blocks_map_a_chunk_to_its_hf_rows() -> None:
+    head_dim = DEBUG.dim // DEBUG.n_heads  # 16
+
+    (block,) = row_blocks("layers.2.feed_forward.w1.weight", 100, 50, DEBUG)
+    assert block.hf_row == 100 and torch.equal(block.local_rows, torch.arange(50)) and block.contiguous_start == 0
+    (block,) = row_blocks("output.weight", 2200, 104, DEBUG)  # crosses vocab_size: the padding rows have no HF row
+    assert block.hf_row == 2200 and torch.equal(block.local_rows, torch.arange(VOCAB - 2200))
+    assert row_blocks("tok_embeddings.weight", VOCAB, 48, DEBUG) == []
+
+    # Whole heads stay on their own rows, permuted within each head: never a plain slice, although the block
+    # starts and ends at the chunk's ends.
+    (block,) = row_blocks("layers.0.attention.wk.weight", 2 * head_dim, 2 * head_dim, DEBUG)
+    assert block.hf_row == 2 * head_dim and block.contiguous_start is None
+
+    for fqn, first_row, num_rows in [("layers.0.attention.wq.weight", 20, 40),  # from mid-head 1 to mid-head 3
+                                     ("layers.0.attention.wq.weight", 5, 6),  # inside one head
+                                     ("layers.5.attention.wk.weight", 0, DEBUG.n_kv_heads * head_dim)]:
+        blocks = row_blocks(fqn, first_row, num_rows, DEBUG)
+        assert 1 <= len(blocks) <= 3, (fqn, first_row, num_rows)
+        # Applied, the blocks put every row of the chunk once, where the full permutation puts it.
+        hf_row_of = rotate_half_rows(torch.arange(first_row, first_row + num_rows), head_dim)
+        placed = torch.cat([block.local_rows for block in blocks])
+        assert torch.equal(placed.sort().values, torch.arange(num_rows))
+        for block in blocks:
+            assert torch.equal(hf_row_of[block.local_rows], block.hf_row + torch.arange(len(block.local_rows)))
+    assert len(row_blocks("layers.0.attention.wq.weight", 20, 40, DEBUG)) == 3
+
+
+def test_read_hf_weights_checks_config(debug_model: Transformer, hf_folder: Path) -> None:
+    assert inspect_folder(hf_folder, DEBUG)["output.weight"] == "lm_head.weight"
     with pytest.raises(ConfigError) as error:
-        from_hf_state_dict(hf, DEBUG)
+        read_hf_weights(hf_folder, dataclasses.replace(DEBUG, n_layers=4, rope_scaling=SHORT_CONTEXT_SCALING))
     message = str(error.value)
-    assert "lacks 1 tensors" in message and "model.layers.2.self_attn.k_proj.weight" in message
-    assert "model.layers.0.self_attn.rotary_emb.inv_freq" in message
-    assert "model.norm.weight has shape [257], but the model needs [256]" in message
-
-
-def test_load_hf_weights_checks_config(debug_model: Transformer, tmp_path: Path) -> None:
-    write_hf_folder(debug_model, tmp_path)
-    expected = with_zero_padding(debug_model.state_dict(), DEBUG)
-    loaded = load_hf_weights(tmp_path, DEBUG)
-    assert all(torch.equal(loaded[fqn], tensor) for fqn, tensor in expected.items())
-
-    with pytest.raises(ConfigError) as error:
-        load_hf_weights(tmp_path, dataclasses.replace(DEBUG, n_layers=4, rope_scaling=SHORT_CONTEXT_SCALING))
-    assert "num_hidden_layers 6, but the Titan model args give 4" in str(error.value)
-    assert "RoPE scaling None" in str(error.value)
+    assert str(hf_folder / HF_CONFIG_FILE) in message
+    assert "num_hidden_layers 6, but the Titan model args give 4" in message
+    assert "RoPE scaling None" in message and "--model.flavor" in message
 
 
 def test_config_in_transformers_5_layout_is_read(tmp_path: Path) -> None:
     args = dataclasses.replace(DEBUG, rope_scaling=SHORT_CONTEXT_SCALING)
     config = hf_config(args, torch.bfloat16, bos_token_id=1, eos_token_id=2)
     parameters = {"rope_theta": config.pop("rope_theta"), **config.pop("rope_scaling")}
-    check_hf_config({**config, "rope_parameters": parameters}, args, tmp_path / "config.json")
+    check_hf_config({**config, "rope_parameters": parameters}, args, tmp_path / HF_CONFIG_FILE)
     with pytest.raises(ConfigError, match="rope_theta 10000.0"):
         check_hf_config({**config, "rope_parameters": {**parameters, "rope_theta": 10000.0}}, args, tmp_path)
 
 
-def test_tied_checkpoint_fills_the_output_layer(debug_model: Transformer, tmp_path: Path) -> None:
-    """Meta's Llama 3.2 1B/3B ship tie_word_embeddings and no lm_head tensor."""
-    hf = to_hf_state_dict(debug_model.state_dict(), DEBUG)
-    del hf["lm_head.weight"]
-    save_folder(hf, tmp_path, max_shard_bytes=10**9)
+def test_tied_checkpoint_fills_the_output_layer(hf_folder: Path, tmp_path: Path) -> None:
+    """Meta's Llama 3.2 1B/3B ship tie_word_embeddings and no lm_head tensor, in one model.safetensors."""
+    tensors = read_safetensors(hf_folder)
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = {**hf_config(DEBUG, torch.float32, bos_token_id=1, eos_token_id=2), "tie_word_embeddings": True}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    loaded = load_hf_weights(tmp_path, DEBUG)
+    (tmp_path / HF_CONFIG_FILE).write_text(json.dumps(config))
+    assert inspect_folder(tmp_path, DEBUG)["output.weight"] == "model.embed_tokens.weight"
+    loaded = read_hf_weights(tmp_path, DEBUG)
     assert torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
+    assert torch.equal(loaded["output.weight"][:VOCAB], tensors["model.embed_tokens.weight"])
+
+
+def transformers_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """LlamaForCausalLM.from_pretrained(folder) in float32 (whatever the files' dtype) on `tokens`."""
+    transformers = pytest.importorskip("transformers")
+    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    with torch.no_grad():
+        return hf_model(tokens).logits
 
 
 @pytest.mark.parametrize("rope_scaling", [None, SHORT_CONTEXT_SCALING], ids=["plain_rope", "llama3_scaling"])
 def test_transformers_logits_match(rope_scaling: RopeScaling | None, tmp_path: Path,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = dataclasses.replace(DEBUG, rope_scaling=rope_scaling, max_seq_len=128)
     model = build(args, seed=1)
-    write_hf_folder(model, tmp_path, max_shard_bytes=4 * 10**6)  # sharded, to load through the index too
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert hf_model.dtype == torch.float32
+    save_hf(model.state_dict(), tmp_path, args, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)  # sharded, with index
     tokens = torch.randint(0, VOCAB, (2, 96), generator=torch.Generator().manual_seed(0))
+    hf_logits = transformers_logits(tmp_path, tokens)
     with torch.no_grad():
-        hf_logits = hf_model(tokens).logits
         titan_logits = model.user_logits(tokens)
     # fp32 throughout; the two differ only in op order (RoPE in complex vs real arithmetic, SDPA vs eager).
     torch.testing.assert_close(hf_logits, titan_logits, rtol=0, atol=1e-4)
@@ -308,8 +291,7 @@ def test_read_model_weights_reads_only_the_model(debug_model: Transformer, tmp_p
     save_dcp({"model": state_dict, "optimizer": {"state": {"exp_avg": torch.ones(3)}}, "train_state": {"step": 20}},
              tmp_path / "step-20")
     loaded = read_model_weights(tmp_path / "step-20")
-    assert sorted(loaded) == sorted(state_dict)
-    assert all(torch.equal(loaded[fqn], tensor) for fqn, tensor in state_dict.items())
+    assert_same_tensors(loaded, state_dict)
 
     with pytest.raises(ConfigError, match="step-21 does not exist"):
         read_model_weights(tmp_path / "step-21")
@@ -325,12 +307,115 @@ def test_read_model_weights_reads_only_the_model(debug_model: Transformer, tmp_p
         read_model_weights(tmp_path / "step-20")
 
 
-def start_script(name: str, *args: str) -> subprocess.Popen:
-    """Start scripts/<name> from the repo root; the tests start independent runs together to save time."""
+# ---- malformed folders: each a ConfigError naming the file and a fix, before any tensor data is read ----
+
+# A weight of layer 1, whose file holds several tensors.
+KNOWN_WEIGHT = "model.layers.1.self_attn.q_proj.weight"
+
+
+def shard_of(folder: Path, name: str) -> Path:
+    return folder / json.loads((folder / INDEX_FILE).read_text())["weight_map"][name]
+
+
+def rewrite_shard(folder: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> str:
+    """Apply `change` to the tensors of KNOWN_WEIGHT's file, rewrite it with the `safetensors` package, and return
+    the file's name."""
+    path = shard_of(folder, KNOWN_WEIGHT)
+    tensors = load_file(path)
+    change(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return path.name
+
+
+def truncate_shard(folder: Path) -> str:
+    path = shard_of(folder, KNOWN_WEIGHT)
+    path.write_bytes(path.read_bytes()[:-100])
+    return path.name
+
+
+def delete_shard(folder: Path) -> str:
+    path = shard_of(folder, KNOWN_WEIGHT)
+    path.unlink()
+    return path.name
+
+
+def overlap_offsets(folder: Path) -> str:
+    """Rewrite the file's header by hand (8-byte little-endian length, JSON header, data) so that every tensor after
+    the first starts 8 bytes early: the second overlaps the first, and the data ends where the header says."""
+    path = shard_of(folder, KNOWN_WEIGHT)
+    raw = path.read_bytes()
+    (header_length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + header_length])
+    names = sorted((name for name in header if name != "__metadata__"), key=lambda name: header[name]["data_offsets"])
+    assert len(names) > 1
+    for name in names[1:]:
+        begin, end = header[name]["data_offsets"]
+        header[name]["data_offsets"] = [begin - 8, end - 8]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)  # the format pads the header with spaces to a multiple of 8
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + header_length:-8])
+    return path.name
+
+
+def int_weight(folder: Path) -> str:
+    return rewrite_shard(folder, lambda tensors: tensors.update({KNOWN_WEIGHT: tensors[KNOWN_WEIGHT].to(torch.int32)}))
+
+
+def short_weight(folder: Path) -> str:
+    return rewrite_shard(folder, lambda tensors: tensors.update({KNOWN_WEIGHT: tensors[KNOWN_WEIGHT][:-1].clone()}))
+
+
+def drop_listed_tensor(folder: Path) -> str:
+    return rewrite_shard(folder, lambda tensors: tensors.pop(KNOWN_WEIGHT))
+
+
+def add_stray_shard(folder: Path) -> str:
+    shutil.copy(shard_of(folder, KNOWN_WEIGHT), folder / "model-00007-of-00007.safetensors")
+    return "model-00007-of-00007.safetensors"
+
+
+def mistral_config(folder: Path) -> str:
+    config = json.loads((folder / HF_CONFIG_FILE).read_text())
+    config.update(model_type="mistral", architectures=["MistralForCausalLM"])
+    (folder / HF_CONFIG_FILE).write_text(json.dumps(config))
+    return HF_CONFIG_FILE
+
+
+# damage(folder) -> the file the message must name, and what else it must say (the diagnosis or the fix).
+MALFORMED: dict[str, tuple[Callable[[Path], str], str]] = {
+    "truncated_shard": (truncate_shard, "truncated or corrupt"),
+    "index_names_missing_shard": (delete_shard, "Copy the missing shards"),
+    "overlapping_offsets": (overlap_offsets, "not a valid safetensors file"),
+    "wrong_dtype": (int_weight, f"{KNOWN_WEIGHT} is I32"),
+    "wrong_shape": (short_weight, f"{KNOWN_WEIGHT} in"),
+    "config_of_another_model": (mistral_config, "Point --checkpoint.initial_load_path at a Llama folder"),
+    "stray_shard": (add_stray_shard, "Remove it"),
+    "index_lists_absent_tensor": (drop_listed_tensor, KNOWN_WEIGHT),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED))
+def test_malformed_folder_names_the_file(case: str, hf_folder: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    damage, expected = MALFORMED[case]
+    file_name = damage(folder)
+    with pytest.raises(ConfigError) as error:
+        read_hf_weights(folder, DEBUG)
+    message = str(error.value)
+    assert file_name in message and expected in message, message
+
+
+def start_python(script: Path, *args: str) -> subprocess.Popen:
+    """Start a Python script from the repo root; the tests start independent runs together to save time."""
     # One thread each: two or three runs share the CPU cores.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, env=env,
+    return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_script(name: str, *args: str) -> subprocess.Popen:
+    return start_python(ROOT / "scripts" / name, *args)
 
 
 def finish(process: subprocess.Popen) -> tuple[int, str, str]:
@@ -338,33 +423,89 @@ def finish(process: subprocess.Popen) -> tuple[int, str, str]:
     return process.returncode, stdout, stderr
 
 
-def test_convert_scripts(debug_model: Transformer, tmp_path: Path) -> None:
-    """Both scripts (and a user mistake) at once, each from a folder written here."""
+def test_train_py_stops_on_a_truncated_shard(hf_folder: Path, tmp_path: Path) -> None:
+    """--checkpoint.initial_load_in_hf on a damaged folder: exit 2 with the file named, and no checkpoint written."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_folder, folder)
+    shard = folder / truncate_shard(folder)
+    dump = tmp_path / "run"
+    code, stdout, stderr = finish(start_python(
+        ROOT / "train.py", *TINY_RUN, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(folder), "--job.dump_folder", str(dump)))
+    output = stdout + stderr
+    assert code == 2 and str(shard) in output and "Traceback" not in output, output
+    assert not (dump / "checkpoint").exists() or not any((dump / "checkpoint").iterdir())
+
+
+def test_last_save_in_hf_loads_in_transformers_and_resumes_from_step_0(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two bfloat16 steps whose last checkpoint is a Hugging Face folder; then the same command again, which finds
+    that export, starts from its weights at step 0 and exports again."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dump = tmp_path / "run"
+    command = [*TINY_RUN, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
+               "--checkpoint.export_dtype", "bfloat16", "--job.dump_folder", str(dump)]
+    code, stdout, stderr = finish(start_python(ROOT / "train.py", *command))
+    assert code == 0, stdout + stderr
+    export = dump / "checkpoint" / "step-2"
+    names = {path.name for path in export.iterdir()}
+    assert {INDEX_FILE, HF_CONFIG_FILE} <= names and any(name.startswith("model-") for name in names), names
+    assert ".metadata" not in names and SHARDED_FOLDER not in names, names
+    assert sorted(path.name for path in (dump / "checkpoint").iterdir()) == ["step-2"]
+    with safe_open(shard_of(export, "lm_head.weight"), framework="pt") as f:
+        assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
+
+    args = dataclasses.replace(DEBUG, max_seq_len=32)
+    model = build(args)
+    model.load_state_dict(read_hf_weights(export, args))
+    tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    hf_logits = transformers_logits(export, tokens)
+    with torch.no_grad():
+        titan_logits = model.user_logits(tokens)
+    max_diff = (hf_logits - titan_logits).abs().max().item()
+    assert max_diff < 1e-4, f"transformers and Titan logits differ by up to {max_diff:.3g}"
+
+    first_run_losses = losses_by_step(dump)
+    code, stdout, stderr = finish(start_python(ROOT / "train.py", *command))
+    assert code == 0, stdout + stderr
+    assert "is a Hugging Face export" in stdout + stderr, stdout + stderr
+    assert [record["step"] for record in metric_records(dump) if "loss" in record] == [1, 2, 1, 2]
+    # Same seed and data as the first run: only the exported weights make step 1's loss differ.
+    assert losses_by_step(dump)[1] != first_run_losses[1]
+    assert (export / INDEX_FILE).is_file() and not (export / ".metadata").exists()
+
+
+def test_convert_scripts(debug_model: Transformer, hf_folder: Path, tmp_path: Path) -> None:
+    """Both scripts (and an import from a damaged folder) at once, each from a folder written here."""
     state_dict = debug_model.state_dict()
     save_dcp({"model": state_dict, "optimizer": {"exp_avg": torch.ones(3)}}, tmp_path / "step-1")
-    write_hf_folder(debug_model, tmp_path / "hf_in")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf_folder, damaged)
+    missing_shard = delete_shard(damaged)
     flags = ("--", "--model.flavor", "debugmodel")
     export = start_script("convert_to_hf.py", str(tmp_path / "step-1"), str(tmp_path / "hf"), "--max_shard_bytes",
-                          "4000000", *flags)
-    to_titan = start_script("convert_from_hf.py", str(tmp_path / "hf_in"), str(tmp_path / "dcp"), *flags)
-    missing = start_script("convert_to_hf.py", str(tmp_path / "step-2"), str(tmp_path / "hf2"), *flags)
+                          str(SMALL_SHARD_BYTES), *flags)
+    to_titan = start_script("convert_from_hf.py", str(hf_folder), str(tmp_path / "dcp"), *flags)
+    from_damaged = start_script("convert_from_hf.py", str(damaged), str(tmp_path / "dcp_damaged"), *flags)
     for process in (export, to_titan):
         code, stdout, stderr = finish(process)
         assert code == 0, stdout + stderr
-    code, stdout, stderr = finish(missing)
-    assert code == 2 and "step-2 does not exist" in stdout and "Traceback" not in stderr
+    code, stdout, stderr = finish(from_damaged)
+    assert code == 2 and missing_shard in stdout + stderr and "Traceback" not in stdout + stderr, stdout + stderr
+    assert not (tmp_path / "dcp_damaged").exists()
 
-    # Export: bfloat16 by default, sharded, with the config of the debug flavor and the tokenizer.
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    # Export: bfloat16 by default, sharded, with the config of the debug flavor (the tokenizer files are
+    # hf_tokenizer's to test).
+    config = json.loads((tmp_path / "hf" / HF_CONFIG_FILE).read_text())
     assert config["vocab_size"] == VOCAB and config["intermediate_size"] == 768 and config["torch_dtype"] == "bfloat16"
     assert (config["bos_token_id"], config["eos_token_id"]) == (TOKENIZER.bos_id, TOKENIZER.eos_id)
-    assert (tmp_path / "hf" / INDEX_FILE).is_file()
-    expected_hf = {name: tensor.to(torch.bfloat16) for name, tensor in to_hf_state_dict(state_dict, DEBUG).items()}
-    assert_same_tensors(load_folder(tmp_path / "hf"), expected_hf)
+    assert (tmp_path / "hf" / INDEX_FILE).is_file() and len(list((tmp_path / "hf").glob("*.safetensors"))) > 1
+    expected_hf = {name: tensor.to(torch.bfloat16) for name, tensor in expected_hf_tensors(state_dict, DEBUG).items()}
+    assert_same_tensors(read_safetensors(tmp_path / "hf"), expected_hf)
 
     # Import: a float32 DCP folder holding exactly the weights, with zero padding rows.
-    imported = read_model_weights(tmp_path / "dcp")
-    assert_same_tensors(imported, with_zero_padding(state_dict, DEBUG))
+    assert_same_tensors(read_model_weights(tmp_path / "dcp"), with_zero_padding(state_dict, DEBUG))
 
 
 def greedy_text(model: Transformer, prompt: str, max_new_tokens: int) -> str:
@@ -379,14 +520,14 @@ def greedy_text(model: Transformer, prompt: str, max_new_tokens: int) -> str:
     return TOKENIZER.decode(ids[1:])
 
 
-def test_generate_script(debug_model: Transformer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generate_script(debug_model: Transformer, hf_folder: Path, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
     save_dcp({"model": debug_model.state_dict()}, tmp_path / "step-1")
-    write_hf_folder(debug_model, tmp_path / "hf")
     prompt, max_new_tokens, temperature, top_k, seed = "def main(", 12, 0.9, 50, 3
     sampled_run = start_script("generate.py", str(tmp_path / "step-1"), "--prompt", prompt, "--max_new_tokens",
                                str(max_new_tokens), "--temperature", str(temperature), "--top_k", str(top_k),
                                "--seed", str(seed))
-    greedy_run = start_script("generate.py", str(tmp_path / "hf"), "--hf", "--prompt", prompt, "--temperature", "0",
+    greedy_run = start_script("generate.py", str(hf_folder), "--hf", "--prompt", prompt, "--temperature", "0",
                               "--max_new_tokens", str(max_new_tokens))
 
     # The same seed in this process must give the same sample as the script's run.

@@ -65,8 +65,10 @@ def hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
             for fqn, hf in hf_names(args).items()}
 
 
-def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Size], source: str) -> None:
-    """Raise one ConfigError listing every missing, unexpected and wrongly shaped tensor in `shapes` (name -> shape)."""
+def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Size], source: str,
+                 files: Mapping[str, str] | None = None) -> None:
+    """Raise one ConfigError listing every missing, unexpected and wrongly shaped tensor in `shapes` (name -> shape).
+    `files` (name -> file name) says which file of a folder holds each tensor, for the user to check."""
     problems = []
     missing = [name for name in expected if name not in shapes]
     unexpected = [name for name in shapes if name not in expected]
@@ -78,7 +80,8 @@ def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Siz
                         f"{' ...' if len(unexpected) > 8 else ''}.")
     for name, shape in expected.items():
         if name in shapes and tuple(shapes[name]) != tuple(shape):
-            problems.append(f"{source} tensor {name} has shape {list(shapes[name])}, but the model "
+            where = f" in {files[name]}" if files else ""
+            problems.append(f"{source} tensor {name}{where} has shape {list(shapes[name])}, but the model "
                             f"needs {list(shape)}.")
     if problems:
         problems.append("Check that --model.flavor and --model.tokenizer_path are the ones the checkpoint was "
@@ -110,9 +113,10 @@ class RowBlock:
 
     @property
     def contiguous_start(self) -> int | None:
-        """The first local row if the local rows are consecutive (the block is a plain slice of the chunk)."""
-        consecutive = len(self.local_rows) == 1 or bool((torch.diff(self.local_rows) == 1).all())
-        return int(self.local_rows[0]) if consecutive else None
+        """The first local row if the local rows are consecutive (the block is a plain slice of the chunk). Every step
+        is checked: a block of whole wq/wk heads also starts and ends at its chunk's ends, permuted in between."""
+        steps = torch.diff(self.local_rows)
+        return int(self.local_rows[0]) if bool((steps == 1).all()) else None
 
 
 def row_blocks(fqn: str, first_row: int, num_rows: int, args: ModelArgs) -> list[RowBlock]:

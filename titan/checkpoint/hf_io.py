@@ -167,7 +167,8 @@ def inspect_folder(folder: Path, args: ModelArgs) -> dict[str, str]:
     if config.get("tie_word_embeddings") and HF_OUTPUT not in tensors:
         names["output.weight"] = HF_EMBEDDING
     expected = {hf: shape for hf, shape in hf_shapes(args).items() if hf in names.values()}
-    check_shapes({name: shape for name, (_, shape, _) in tensors.items()}, expected, f"Hugging Face folder {folder}")
+    check_shapes({name: shape for name, (_, shape, _) in tensors.items()}, expected, f"Hugging Face folder {folder}",
+                 files={name: file.name for name, (file, _, _) in tensors.items()})
     wrong_dtypes = [f"{name} is {dtype} in {file.name}" for name, (file, _, dtype) in tensors.items()
                     if dtype not in FLOAT_DTYPES]
     if wrong_dtypes:
