@@ -119,19 +119,17 @@ def check_loaded(model: Transformer, reference: dict[str, torch.Tensor]) -> None
             raise AssertionError(f"rank {dist.get_rank()}: {fqn} differs from the Hugging Face folder after loading")
 
 
-def run_worker(cli: argparse.Namespace) -> None:
-    """One rank of one layout: load the folder, (check it), save it back; rank 0 writes the measurements."""
+def run_layout_on_rank(args: ModelArgs, layout: str, folder: Path, check: bool) -> None:
+    """This rank's part of one layout: load the folder, (check it), save it back; rank 0 writes the measurements."""
     from titan.checkpoint.hf_io import load_hf
 
-    dist.init_process_group("gloo")
-    args, layout, folder = model_args(cli), cli.worker, cli.folder
     model = build_sharded(args, layout)
     state = model.state_dict()
     with torch.no_grad():
         for tensor in state.values():
             tensor.fill_(float("nan"))  # so a row the load misses shows
     load_seconds, load_peak = measure(lambda: load_hf(folder / "model", state, args))
-    if cli.check:
+    if check:
         check_loaded(model, read_hf_weights(folder / "model", args))
     export = folder / f"export-{layout}"
     save_seconds, save_peak = measure(lambda: save_hf(state, export, args, torch.float32,
@@ -142,6 +140,13 @@ def run_worker(cli: argparse.Namespace) -> None:
         result = {"layout": layout, "world_size": dist.get_world_size(), "load_seconds": load_seconds,
                   "save_seconds": save_seconds, "ranks": peaks}
         (folder / f"result-{layout}.json").write_text(json.dumps(result))
+
+
+def run_worker(cli: argparse.Namespace) -> None:
+    """One rank of a torchrun world, running each of its layouts in turn (starting ranks costs more than a layout)."""
+    dist.init_process_group("gloo")
+    for layout in cli.worker.split(","):
+        run_layout_on_rank(model_args(cli), layout, cli.folder, cli.check)
     dist.destroy_process_group()
 
 
@@ -158,19 +163,25 @@ def write_model(args: ModelArgs, folder: Path) -> float:
     return time.perf_counter() - start
 
 
-def run_layout(cli: argparse.Namespace, layout: str, folder: Path) -> dict:
-    world_size = 1
-    for size in LAYOUTS[layout][0]:
-        world_size *= size
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-               __file__, "--worker", layout, "--folder", str(folder), "--dim", str(cli.dim), "--n_layers",
-               str(cli.n_layers), "--n_heads", str(cli.n_heads), "--n_kv_heads", str(cli.n_kv_heads)]
+def world_size_of(layout: str) -> int:
+    size = 1
+    for dim in LAYOUTS[layout][0]:
+        size *= dim
+    return size
+
+
+def run_layouts(cli: argparse.Namespace, layouts: list[str], folder: Path) -> list[dict]:
+    """Run `layouts`, which share one world size, on one set of torchrun ranks; their results in order."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={world_size_of(layouts[0])}", __file__, "--worker", ",".join(layouts), "--folder",
+               str(folder), "--dim", str(cli.dim), "--n_layers", str(cli.n_layers), "--n_heads", str(cli.n_heads),
+               "--n_kv_heads", str(cli.n_kv_heads)]
     command += ["--check"] if cli.check else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "LOG_RANK": "0"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
-        raise RuntimeError(f"layout {layout} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return json.loads((folder / f"result-{layout}.json").read_text())
+        raise RuntimeError(f"layouts {layouts} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return [json.loads((folder / f"result-{layout}.json").read_text()) for layout in layouts]
 
 
 def report(args: ModelArgs, write_seconds: float, results: list[dict]) -> dict:
@@ -201,7 +212,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         folder = cli.folder or Path(scratch)
         write_seconds = write_model(args, folder / "model")
-        results = [run_layout(cli, layout, folder) for layout in cli.layouts.split(",")]
+        layouts = cli.layouts.split(",")
+        results = []
+        for size in sorted({world_size_of(layout) for layout in layouts}):
+            results += run_layouts(cli, [layout for layout in layouts if world_size_of(layout) == size], folder)
     summary = report(args, write_seconds, results)
     if cli.json is not None:
         cli.json.write_text(json.dumps(summary, indent=2))

@@ -12,11 +12,11 @@ import torch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
-# 3 kv heads of 16 rows: FSDP=4 gives each rank 12 rows of wk, so every shard starts or ends inside a head.
-ODD_HEADS = ("--dim", "96", "--n_heads", "6", "--n_kv_heads", "3", "--n_layers", "2")
-# 2 kv heads of 64 rows: TP=2 gives each rank one head, and FSDP=2 on top cuts it in half. 8 layers (28 MB in
-# float32, largest tensor 2.4 MB) so that a whole model stands out from a rank's share plus the process's own noise.
-EVEN_HEADS = ("--dim", "256", "--n_heads", "4", "--n_kv_heads", "2", "--n_layers", "8")
+# 2 kv heads of 16 rows: FSDP=4 gives each rank 8 rows of wk, half a head; TP=2 gives each rank one head, and FSDP=2
+# on top cuts it in half. 8 layers (28 MB in float32, largest tensor 2.4 MB), so that a whole model stands out from a
+# rank's share plus the process's own noise.
+SHAPE = ("--dim", "256", "--n_heads", "16", "--n_kv_heads", "2", "--n_layers", "8")
+LAYOUTS = ["fsdp4", "replica2xtp2", "fsdp2xtp2"]
 SLACK_BYTES = 12 * 2**20  # Python objects, DCP plans, tensor headers: 5-6 MiB measured
 
 
@@ -47,27 +47,23 @@ def assert_same_export(folder: Path, layout: str) -> None:
         assert torch.equal(got[name], tensor), f"{layout}: {name}"
 
 
-def test_fsdp_shards_cut_inside_heads(tmp_path: Path) -> None:
-    run_bench(tmp_path, ODD_HEADS, "fsdp4")  # --check: the loaded weights equal the folder's on every rank
-    assert_same_export(tmp_path, "fsdp4")
-
-
 @pytest.fixture(scope="module")
-def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    folder = tmp_path_factory.mktemp("hf_tp")
-    return folder, run_bench(folder, EVEN_HEADS, "replica2xtp2,fsdp2xtp2")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """All layouts on one set of 4 ranks; --check: on every rank the loaded weights equal the folder's."""
+    folder = tmp_path_factory.mktemp("hf_sharded")
+    return folder, run_bench(folder, SHAPE, ",".join(LAYOUTS))
 
 
-@pytest.mark.parametrize("layout", ["replica2xtp2", "fsdp2xtp2"])
-def test_tp_and_fsdp_tp_are_exact(tp_runs: tuple[Path, dict], layout: str) -> None:
-    folder, _ = tp_runs
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_export_is_exact(runs: tuple[Path, dict], layout: str) -> None:
+    folder, _ = runs
     assert_same_export(folder, layout)
 
 
-def test_each_rank_holds_only_its_share(tp_runs: tuple[Path, dict]) -> None:
+def test_each_rank_holds_only_its_share(runs: tuple[Path, dict]) -> None:
     """Loading into FSDP=2 x TP=2 raises a rank's resident memory (mapped file pages included) by at most its
     quarter of the model plus the largest tensor; the old loader read the whole model on every rank."""
-    _, summary = tp_runs
+    _, summary = runs
     (result,) = [result for result in summary["layouts"] if result["layout"] == "fsdp2xtp2"]
     model_bytes, largest = summary["model_bytes"], summary["largest_tensor_bytes"]
     share = model_bytes / result["world_size"]
