@@ -58,6 +58,9 @@ class Tokenizer:
         self._encoding = tiktoken.Encoding(
             name=name, pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens
         )
+        # Public so that exporters (titan/data/hf_tokenizer.py) can rebuild the same tokenizer in other formats.
+        self.mergeable_ranks: dict[bytes, int] = mergeable_ranks
+        self.special_tokens: dict[str, int] = special_tokens
         self.bos_id: int = special_tokens[BOS_TOKEN]
         self.eos_id: int = special_tokens[EOS_TOKEN]
         self.vocab_size: int = len(mergeable_ranks) + len(special_tokens)
