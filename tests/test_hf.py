@@ -465,6 +465,10 @@ def test_last_save_in_hf_loads_in_transformers_and_resumes_from_step_0(tmp_path:
         titan_logits = model.user_logits(tokens)
     max_diff = (hf_logits - titan_logits).abs().max().item()
     assert max_diff < 1e-4, f"transformers and Titan logits differ by up to {max_diff:.3g}"
+    # The folder's tokenizer files give Titan's ids (BOS first; special-token text stays text).
+    text = "Grüße, 世界! <|end_of_text|> def f(x):\n\treturn x"
+    hf_tokenizer = importlib.import_module("transformers").AutoTokenizer.from_pretrained(export)
+    assert hf_tokenizer(text)["input_ids"] == TOKENIZER.encode(text, bos=True, eos=False)
 
     first_run_losses = losses_by_step(dump)
     code, stdout, stderr = finish(start_python(ROOT / "train.py", *command))
