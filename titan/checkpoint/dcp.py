@@ -409,7 +409,9 @@ class Checkpointer:
         if not steps:
             return None
         folder = step_folder(self.root, steps[-1])
-        if is_hf_export(folder) or "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
+        if is_hf_export(folder):
+            return None  # a weights-only Hugging Face export: nothing to roll back to
+        if "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
             return None
         return self.load_folder(folder, exclude={"dataloader"}, fix=RESUME_FIX)
 
