@@ -71,6 +71,7 @@ StepOrLatest = bounded(int, Range(low=0, special=(-1,)))
 Seed = bounded(int, Range(low=0, high=2**64 - 1))
 """torch.manual_seed takes a 64-bit seed."""
 PositiveFloat = bounded(float, Range(low=0, low_open=True))
+OptionalPositiveFloat = bounded(float, Range(low=0, low_open=True), optional=True)
 NonNegativeFloat = bounded(float, Range(low=0))
 FiniteFloat = bounded(float, Range())
 Decay = bounded(float, Range(low=0, high=1, high_open=True))

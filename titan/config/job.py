@@ -16,6 +16,7 @@ from titan.config.domain import (
     NonNegativeInt,
     OptionalCount,
     OptionalFraction,
+    OptionalPositiveFloat,
     PositiveFloat,
     Seed,
     StepOrLatest,
@@ -39,14 +40,32 @@ class Job:
     """Wall-clock budget of this run from the trainer's start, e.g. 3h50m, 90m or 45s (set it a little under the
     scheduler's limit). When the next step would cross it (from the measured step time and the last save's duration),
     every rank saves a checkpoint and the run exits with code 4; rerunning the same command resumes. None: no limit."""
+    dry_run: bool = False
+    """Don't train: simulate this job at its world size on fake tensors (no GPU, no data, no files read or written)
+    and print each simulated rank's predicted memory, FLOPs, collective volume and step time (see [estimate] and
+    docs/scale.md). run_train.sh simulates rank 0 and the last rank in one process, whatever NGPU is."""
+
+
+@dataclass
+class Estimate:
+    gpu: Literal["H100", "H200", "B200"] = "H100"
+    """GPU the dry run's roofline step time and the memory headroom are for (SXM parts: dense bf16 peak, HBM
+    size and bandwidth, NVLink bandwidth from NVIDIA's datasheets)."""
+    gpus_per_node: Count = 8
+    """GPUs per node: collectives among ranks of one node use NVLink, the others the inter-node network."""
+    inter_node_bandwidth_gbs: PositiveFloat = 50.0
+    """Inter-node bandwidth per GPU in GB/s, one direction: 50 is one 400 Gb/s InfiniBand NDR NIC per GPU."""
+    nvlink_bandwidth_gbs: OptionalPositiveFloat = None
+    """Intra-node bandwidth per GPU in GB/s, one direction. None: the GPU's NVLink (450 for H100/H200, 900 for B200)."""
 
 
 @dataclass
 class Model:
     name: Literal["llama3"] = "llama3"
     """Model family to build."""
-    flavor: Literal["debugmodel", "debugmodel_mha", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
-    """Model size: debugmodel (tiny, trains on CPU), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims)."""
+    flavor: Literal["debugmodel", "debugmodel_mha", "100M", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
+    """Model size: debugmodel (tiny, trains on CPU), 100M (dim 768, 16 layers), 1B/3B (Llama 3.2 dims), 8B/70B/405B
+    (Llama 3.1 dims)."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
     """Tokenizer file in tiktoken format (base64 token and rank per line), e.g. Llama 3's tokenizer.model."""
     vocab_size_multiple_of: Count = 64
@@ -371,3 +390,4 @@ class JobConfig:
     mx: MX = field(default_factory=MX)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
+    estimate: Estimate = field(default_factory=Estimate)

@@ -132,6 +132,14 @@ def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+def about_this_machine(rule: Rule) -> Rule:
+    """Mark a rule that checks this machine's files or GPU: a dry run (--job.dry_run) reads no files and simulates
+    the job's GPUs, so validate() skips these rules for it."""
+    rule.about_this_machine = True  # type: ignore[attr-defined]
+    return rule
+
+
+@about_this_machine
 def check_tokenizer_path(cfg: JobConfig, world_size: int) -> str | None:
     if resolve_path(cfg.model.tokenizer_path).is_file():
         return None
@@ -139,6 +147,7 @@ def check_tokenizer_path(cfg: JobConfig, world_size: int) -> str | None:
             f"tokenizer such as tokenizers/titan_2256.tiktoken or Llama 3's tokenizer.model.")
 
 
+@about_this_machine
 def check_dataset_path(cfg: JobConfig, world_size: int) -> str | None:
     return dataset_path_problem("--training", cfg.training.dataset, cfg.training.dataset_path)
 
@@ -187,6 +196,7 @@ def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+@about_this_machine
 def check_dump_folder(cfg: JobConfig, world_size: int) -> str | None:
     """The dump folder must be a folder, or creatable: its nearest existing ancestor a writable folder."""
     given = cfg.job.dump_folder
@@ -361,6 +371,7 @@ def check_context_parallel(cfg: JobConfig, world_size: int) -> str | None:
             f"{max(step, seq_len // step * step)}.")
 
 
+@about_this_machine
 def check_validation_dataset_path(cfg: JobConfig, world_size: int) -> str | None:
     v = cfg.validation
     return dataset_path_problem("--validation", v.dataset, v.dataset_path) if v.enable else None
@@ -468,6 +479,7 @@ def check_float8_all_gather(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+@about_this_machine
 def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
     if "float8" not in cfg.model.converters or cfg.float8.emulate or not torch.cuda.is_available():
         return []
@@ -485,6 +497,7 @@ def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+@about_this_machine
 def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
     if "mx" not in cfg.model.converters or cfg.mx.emulate:
         return None
@@ -560,6 +573,8 @@ def validate(cfg: JobConfig, world_size: int) -> None:
     problems, bad_fields = check_domains(cfg)
     for rule in RULES:
         if bad_fields.intersection(getattr(rule, "needs_in_range", ())):
+            continue
+        if cfg.job.dry_run and getattr(rule, "about_this_machine", False):
             continue
         found = rule(cfg, world_size)
         if isinstance(found, str):

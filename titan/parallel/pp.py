@@ -67,12 +67,16 @@ def split_model(model: Transformer, plan: StagePlan, pp_mesh: DeviceMesh, schedu
 
 def build_schedule(parts: list[StageModel], ids: tuple[int, ...], num_stages: int, schedule: str,
                    num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], pp_mesh: DeviceMesh,
-                   device: torch.device) -> _PipelineSchedule:
+                   device: torch.device, example_io: list[tuple[Tensor, Tensor]] | None = None) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over this rank's stages. Gradients are not rescaled by the schedule
     (scale_grads=False): loss_fn divides by the microbatch count itself, since the schedule's rescale would also
-    divide gradients kept from earlier accumulation steps."""
-    stages = [PipelineStage(part, stage_id, num_stages, device, group=pp_mesh.get_group())
-              for part, stage_id in zip(parts, ids)]
+    divide gradients kept from earlier accumulation steps. example_io: each stage's (input, output) of one
+    micro-batch, so that the stages need not learn their shapes from their neighbours (a dry run has none); None:
+    torch infers them during the first step."""
+    examples = example_io or [(None, None)] * len(parts)
+    stages = [PipelineStage(part, stage_id, num_stages, device, input_args=example_in, output_args=example_out,
+                            group=pp_mesh.get_group())
+              for part, stage_id, (example_in, example_out) in zip(parts, ids, examples)]
     schedule_class = get_schedule_class(schedule)
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -2,8 +2,9 @@
 
 import contextlib
 import functools
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,36 @@ class Trainer:
         set_seed(cfg.training.seed, cfg.training.deterministic)
 
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.model_args = build_model_args(cfg.model.flavor, self.tokenizer.vocab_size,
-                                           cfg.model.vocab_size_multiple_of, cfg.training.seq_len)
+        self.model_fqns = self.build_model(self.tokenizer.vocab_size)
+        self.init_model_weights()
+        self.build_optimization()
+        dp_rank, dp_degree = data_parallel_rank(self.meshes)
+        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
+        self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
+                                                            dp_degree) if cfg.validation.enable else None)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
+                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, self.model_fqns,
+                                         self.tokenizer)
+        resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
+
+        self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
+        self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
+        self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, self.model,
+                                      stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
+                                      resumed.spike_losses, resumed.num_skipped)
+        self.step = resumed.step
+        self.tokens_seen = resumed.tokens_seen
+        self.current_lr = cfg.optimizer.lr
+
+    def build_model(self, vocab_size: int) -> set[str]:
+        """Build the model on meta, convert it, split it into this rank's pipeline stages and parallelize each
+        (self.model_parts, not yet materialised). Returns the full model's parameter FQNs."""
+        cfg = self.cfg
+        self.model_args = build_model_args(cfg.model.flavor, vocab_size, cfg.model.vocab_size_multiple_of,
+                                           cfg.training.seq_len)
         with torch.device("meta"):
             model = Transformer(self.model_args)
+        self.total_params = num_params(model, exclude_embedding=False)
         self.log_model_size(model)
         model_fqns = {fqn for fqn, _ in model.named_parameters()}
         self.flops_per_token = flops_per_token(self.model_args, num_params(model, exclude_embedding=True),
@@ -107,35 +134,22 @@ class Trainer:
         for part in self.model_parts:
             parallelize_llama(part, self.dims, self.meshes, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
                               cfg.compile)
-        self.init_model_weights()
+        return model_fqns
+
+    def build_optimization(self) -> None:
+        """What a step needs besides the materialised model parts: the rank's whole share of the model, the loss,
+        the pipeline schedule, the optimizer and the LR schedule."""
+        cfg = self.cfg
         # This rank's whole share of the model by FQN: what the optimizer, checkpoints and grad norm see.
         self.model = merge_stage_models(self.model_parts) if self.dims.pp_enabled else self.model_parts[0]
         self.model.train()
         if self.dims.cp_enabled:
             self.shard_rotary_tables()
-
         self.grad_accumulation_steps = self.count_accumulation_steps()
         self.loss_fn = self.build_loss_fn()
         self.schedule = self.build_pipeline_schedule() if self.dims.pp_enabled else None
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.lr_scheduler, cfg.training.steps)
-        dp_rank, dp_degree = data_parallel_rank(self.meshes)
-        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
-        self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
-                                                            dp_degree) if cfg.validation.enable else None)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, self.model, self.optimizer,
-                                         self.lr_scheduler, self.dataloader, self.device, dp_degree, model_fqns,
-                                         self.tokenizer)
-        resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
-
-        self.meter = ThroughputMeter(self.flops_per_token, self.device, cfg.training.steps)
-        self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
-        self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, self.model,
-                                      stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
-                                      resumed.spike_losses, resumed.num_skipped)
-        self.step = resumed.step
-        self.tokens_seen = resumed.tokens_seen
-        self.current_lr = cfg.optimizer.lr
 
     def plan_pipeline(self) -> StagePlan:
         """The blocks of every pipeline stage, reported once with the schedule."""
@@ -180,9 +194,11 @@ class Trainer:
         logger.info(f"Context parallel over {self.dims.cp} ranks: each holds 2 of {2 * self.dims.cp} chunks of every "
                     f"sequence. {path}")
 
-    def build_pipeline_schedule(self) -> _PipelineSchedule:
+    def build_pipeline_schedule(self, example_io: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+                                ) -> _PipelineSchedule:
         """The pipelining schedule, whose last stage computes the loss of each micro-batch. The loss is divided by
-        the micro-batches and accumulation steps, so gradients add up to those of the step's mean loss."""
+        the micro-batches and accumulation steps, so gradients add up to those of the step's mean loss.
+        example_io: as build_schedule takes it."""
         parts_per_step = self.grad_accumulation_steps * self.num_microbatches
 
         def microbatch_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -190,7 +206,7 @@ class Trainer:
 
         return build_schedule(self.model_parts, self.stage_ids, self.stage_plan.num_stages,
                               self.cfg.parallelism.pipeline_parallel_schedule, self.num_microbatches,
-                              microbatch_loss, self.meshes.pp, self.device)
+                              microbatch_loss, self.meshes.pp, self.device, example_io)
 
     def materialize(self, model: torch.nn.Module) -> None:
         """Allocate a meta-built model on the device and fill it with init_weights."""
@@ -237,7 +253,7 @@ class Trainer:
 
     def log_model_size(self, model: Transformer) -> None:
         args = self.model_args
-        logger.info(f"Model llama3 {self.cfg.model.flavor}: {num_params(model, exclude_embedding=False):,} "
+        logger.info(f"Model llama3 {self.cfg.model.flavor}: {self.total_params:,} "
                     f"parameters, dim {args.dim}, {args.n_layers} layers, {args.n_heads} heads "
                     f"({args.n_kv_heads} kv), vocab {args.vocab_size} (padded to "
                     f"{model.tok_embeddings.num_embeddings})")
@@ -262,19 +278,16 @@ class Trainer:
         and step unless it is skipped. Returns (loss, grad_norm, the step's anomaly or None)."""
         self.optimizer.zero_grad()
         data_position = self.dataloader.dataset.position()
-        loss_sum = torch.zeros((), device=self.device)
-        data_wait = 0.0
-        for _ in range(self.grad_accumulation_steps):
-            inputs, labels, waited = self.next_batch(data_iterator)
-            data_wait += waited
-            if self.dims.cp_enabled:
-                inputs, labels = self.context_parallel_shard(inputs), self.context_parallel_shard(labels)
-            with self.step_context():
-                if self.schedule is not None:
-                    loss_sum += self.pipeline_forward_backward(inputs, labels)
-                else:
-                    loss_sum += self.forward_backward(inputs, labels)
-        grad_norm = self.clip_gradients()
+        waits: list[float] = []
+
+        def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            while True:
+                inputs, labels, waited = self.next_batch(data_iterator)
+                waits.append(waited)
+                yield inputs, labels
+
+        loss_sum, grad_norm = self.compute_gradients(batches())
+        data_wait = sum(waits)
         # One device-to-host read per step for both values: each .item() would stall a GPU's launch queue.
         loss_value, norm_value = torch.stack([self.global_mean(loss_sum), grad_norm.float()]).tolist()
         self.current_lr = self.optimizer.param_groups[0]["lr"]
@@ -286,6 +299,21 @@ class Trainer:
             self.optimizer.zero_grad()
         self.meter.add_step(self.global_tokens_per_step / self.dims.world_size, data_wait)
         return loss_value, norm_value, anomaly
+
+    def compute_gradients(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
+        """Forward and backward over the step's accumulation micro-batches from `batches`, then clip: (the sum of
+        this rank's micro-batch losses, the global gradient norm before clipping)."""
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in itertools.islice(batches, self.grad_accumulation_steps):
+            if self.dims.cp_enabled:
+                inputs, labels = self.context_parallel_shard(inputs), self.context_parallel_shard(labels)
+            with self.step_context():
+                if self.schedule is not None:
+                    loss_sum += self.pipeline_forward_backward(inputs, labels)
+                else:
+                    loss_sum += self.forward_backward(inputs, labels)
+        return loss_sum, self.clip_gradients()
 
     def apply_update(self) -> None:
         """The optimizer and LR-schedule step of the gradients just computed."""

@@ -75,6 +75,9 @@ def ffn_hidden_dim(args: ModelArgs) -> int:
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=8, max_seq_len=2048),
     "debugmodel_mha": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, max_seq_len=2048),
+    # ~100M parameters with the shipped tokenizer: big enough that its weights, not its activations, dominate memory
+    # on CPU, as in real jobs; used to check the dry run's estimates against measured runs (docs/scale.md).
+    "100M": ModelArgs(dim=768, n_layers=16, n_heads=12, n_kv_heads=4, multiple_of=256, max_seq_len=2048),
     "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
                     rope_scaling=LLAMA32_ROPE_SCALING, max_seq_len=131072),
     "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,

@@ -1,0 +1,252 @@
+"""What one training step does on this rank, recorded op by op under a dispatch mode: every tensor storage allocated,
+resized and freed (memory), every collective with its mesh dimension and bytes (communication volume), and every
+op's FLOPs and bytes (the roofline). The same recorder runs on fake tensors (the dry run) and on real ones (the
+runs that check the dry run), so the two are measured alike.
+
+The mode defers ops on DTensors to DTensor (returning NotImplemented), so it sees the local ops each rank runs and
+the collectives DTensor issues, with local shapes, never the global ones."""
+
+import functools
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
+
+from titan.estimate.roofline import Collective, OpCost
+
+aten = torch.ops.aten
+c10d = torch.ops.c10d
+functional = torch.ops._c10d_functional
+functional_autograd = torch.ops._c10d_functional_autograd
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "activations and temporaries")
+"""How memory at the peak is split, in precedence order: a storage gets the first category that claims it."""
+
+# Collective op -> (kind, where its payload is): the payload conventions of roofline.Collective. Non-functional
+# c10d ops take (output, input, group, ...) or (tensors, group, ...); functional ones end with the group's name.
+C10D_COLLECTIVES = {
+    c10d._allgather_base_.default: ("all_gather", "output"),
+    c10d.allgather_.default: ("all_gather", "output"),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", "input"),
+    c10d.reduce_scatter_.default: ("reduce_scatter", "input"),
+    c10d.allreduce_.default: ("all_reduce", "tensors"),
+    c10d.broadcast_.default: ("broadcast", "tensors"),
+    c10d.alltoall_base_.default: ("all_to_all", "input"),
+    c10d.send.default: ("send", "tensors"),
+    c10d.recv_.default: ("recv", "tensors"),
+    c10d.barrier.default: ("barrier", "tensors"),
+}
+FUNCTIONAL_COLLECTIVES = {
+    functional.all_gather_into_tensor.default: "all_gather",
+    functional_autograd.all_gather_into_tensor.default: "all_gather",
+    functional.reduce_scatter_tensor.default: "reduce_scatter",
+    functional_autograd.reduce_scatter_tensor.default: "reduce_scatter",
+    functional.all_reduce.default: "all_reduce",
+    functional.all_reduce_.default: "all_reduce",
+    functional.all_to_all_single.default: "all_to_all",
+    functional_autograd.all_to_all_single.default: "all_to_all",
+    functional.broadcast.default: "broadcast",
+}
+
+# CPU runs (the dry run's fake tensors included) take SDPA's CPU flash kernel, which torch's FLOP table lacks.
+CPU_FLASH_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A process group as the step sees it: its mesh dimension label and global ranks."""
+
+    dim: str
+    ranks: tuple[int, ...]
+
+
+def attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> float:
+    """Forward FLOPs of softmax(QK^T)V: two matmuls of 2*s_q*s_k*head_dim per query head. A causal kernel skips the
+    masked half of the blocks, so it is counted as half: this is the work the GPU does, not the MFU convention."""
+    batch, heads, seq_q, head_dim = query.shape  # (bs, local_heads, seq, head_dim); k/v may have fewer (GQA) heads
+    flops = 4.0 * batch * heads * seq_q * key.shape[2] * head_dim
+    return flops / 2 if causal else flops
+
+
+def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> float:
+    """The op's FLOPs from torch's FLOP table (matmuls, fused attention), with CPU flash attention added."""
+    if func is CPU_FLASH_ATTENTION:
+        return attention_flops(args[0], args[1], causal=bool(args[4]) if len(args) > 4 else kwargs["is_causal"])
+    if func is CPU_FLASH_ATTENTION_BACKWARD:
+        # dQ, dK, dV and the recomputed scores: 2.5x the forward's matmul work, torch's convention for flash.
+        return 2.5 * attention_flops(args[1], args[2], causal=bool(args[7]) if len(args) > 7 else kwargs["is_causal"])
+    counter = flop_registry.get(func._overloadpacket)
+    return float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
+
+
+def precision_class(tensor: torch.Tensor) -> str:
+    """The roofline's dtype class of a matmul input."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return "fp8"
+    return "fp32" if tensor.dtype == torch.float32 else "bf16"
+
+
+def local_tensors(value: object) -> list[torch.Tensor]:
+    """The plain tensors inside `value` (nested lists, DTensors and other wrapper subclasses unwrapped)."""
+    found = []
+    for leaf in tree_leaves(value):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(leaf):
+            names, _ = leaf.__tensor_flatten__()
+            found.extend(local_tensors([getattr(leaf, name) for name in names]))
+        else:
+            found.append(leaf)
+    return found
+
+
+def tensor_bytes(value: object) -> int:
+    return sum(t.numel() * t.element_size() for t in local_tensors(value))
+
+
+class StepRecorder(TorchDispatchMode):
+    """Records memory events, collectives and op costs while active. Storages alive before it starts count only
+    once they are registered (register) or touched by an op; frees are seen through weakref callbacks, and FSDP's
+    storage resizes (how it frees and refills unsharded parameters) through UntypedStorage.resize_."""
+
+    def __init__(self, groups: dict[str, GroupInfo]) -> None:
+        super().__init__()
+        self.groups = groups
+        self.ops: list[OpCost] = []
+        self.collectives: list[Collective] = []
+        self.events: list[tuple[int, int]] = []
+        """(storage id, change in bytes) in order: positive on allocation or growth, negative on free."""
+        self.live: dict[int, int] = {}
+        self.labels: dict[int, str] = {}
+        self._ids = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+        self._original_resize = None
+
+    def __enter__(self) -> "StepRecorder":
+        self._original_resize = torch.UntypedStorage.resize_
+        recorder = self
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
+            result = recorder._original_resize(storage, size)
+            recorder.resized(storage, size)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args: object) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        super().__exit__(*args)
+
+    def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
+        """Count the storages of `tensors` (already alive) under `label`, one of CATEGORIES."""
+        for tensor in local_tensors(list(tensors)):
+            self.labels[self.see(tensor.untyped_storage())] = label
+
+    def label(self, tensors: Iterable[torch.Tensor], label: str) -> None:
+        """Give the storages of `tensors`, seen during the step, the category `label` (gradients, once they exist)."""
+        self.register(tensors, label)
+
+    def see(self, storage: torch.UntypedStorage) -> int:
+        """The storage's id; a storage seen for the first time is allocated now."""
+        known = self._ids.get(storage)
+        if known is not None:
+            return known
+        storage_id = len(self._refs)
+        self._ids[storage] = storage_id
+        self._refs[storage_id] = weakref.ref(storage, functools.partial(self.freed, storage_id))
+        self.change(storage_id, storage.nbytes())
+        return storage_id
+
+    def change(self, storage_id: int, size: int) -> None:
+        delta = size - self.live.get(storage_id, 0)
+        if delta:
+            self.events.append((storage_id, delta))
+        self.live[storage_id] = size
+
+    def freed(self, storage_id: int, _ref: weakref.ref) -> None:
+        self.change(storage_id, 0)
+
+    def resized(self, storage: torch.UntypedStorage, size: int) -> None:
+        known = self._ids.get(storage)
+        if known is None:
+            self.see(storage)
+        else:
+            self.change(known, size)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204: torch's signature
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = local_tensors(out)
+        for tensor in outputs:
+            self.see(tensor.untyped_storage())
+        if func in C10D_COLLECTIVES or func in FUNCTIONAL_COLLECTIVES:
+            self.record_collective(func, args, out)
+        elif not func.is_view:
+            self.record_cost(func, args, kwargs, out, outputs)
+        return out
+
+    def record_cost(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
+                    outputs: list[torch.Tensor]) -> None:
+        inputs = local_tensors((args, kwargs))
+        moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
+        flops = op_flops(func, args, kwargs, out)
+        self.ops.append(OpCost(flops=flops, bytes=moved, precision=precision_class(inputs[0]) if flops else "bf16"))
+
+    def record_collective(self, func: torch._ops.OpOverload, args: tuple, out: object) -> None:
+        """One collective's payload (roofline.Collective's conventions) and group; its buffers are communication
+        buffers unless something else claims them."""
+        if func in FUNCTIONAL_COLLECTIVES:
+            kind = FUNCTIONAL_COLLECTIVES[func]
+            group_name = args[-1]
+            payload = out if kind == "all_gather" else args[0]
+            buffers = [*local_tensors(args[0]), *local_tensors(out)]
+        else:
+            kind, where = C10D_COLLECTIVES[func]
+            group_name = ProcessGroup.unbox(next(arg for arg in args if isinstance(arg, torch.ScriptObject))).group_name
+            payload = {"output": args[0], "input": args[1], "tensors": args[0]}[where]
+            buffers = local_tensors(args[:2] if where != "tensors" else args[0])
+        for tensor in buffers:
+            storage_id = self.see(tensor.untyped_storage())
+            self.labels.setdefault(storage_id, "communication buffers")
+        group = self.groups.get(group_name, GroupInfo(dim=group_name, ranks=()))
+        self.collectives.append(Collective(dim=group.dim, kind=kind, bytes=tensor_bytes(payload), ranks=group.ranks))
+
+
+@dataclass(frozen=True)
+class MemoryPeak:
+    """Bytes live at the step's peak, in total and by category (CATEGORIES)."""
+
+    total: int
+    by_category: dict[str, int]
+
+
+def memory_peak(recorder: StepRecorder) -> MemoryPeak:
+    """Replay the recorder's events to find the peak of live bytes and what was live then. Categories are settled
+    after the step (gradients are only known once they exist), so the split is exact at the peak too."""
+    total, peak = 0, 0
+    for _, delta in recorder.events:
+        total += delta
+        peak = max(peak, total)
+    # Replay again up to the first moment the peak is reached: what was live then.
+    live: dict[int, int] = {}
+    total = 0
+    for storage_id, delta in recorder.events:
+        live[storage_id] = live.get(storage_id, 0) + delta
+        total += delta
+        if total == peak:
+            break
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    for storage_id, size in live.items():
+        by_category[recorder.labels.get(storage_id, "activations and temporaries")] += size
+    return MemoryPeak(total=peak, by_category=by_category)
