@@ -1,0 +1,89 @@
+"""Roofline step-time model: per-op roofline, ring collective times, overlap and MFU arithmetic, worked by hand."""
+
+import pytest
+
+from titan.estimate.roofline import (GPUS, Collective, Network, OpCost, collective_seconds, compute_seconds,
+                                     estimate_step)
+from titan.metrics.throughput import PEAK_BF16_FLOPS
+
+H100 = GPUS["H100"]
+NODE = Network()
+
+
+def test_gpu_peaks_come_from_throughput_table() -> None:
+    peaks = dict(PEAK_BF16_FLOPS)
+    for name, gpu in GPUS.items():
+        assert gpu.peak_bf16_flops == peaks[name]
+        assert gpu.peak_fp8_flops == 2 * peaks[name]
+    assert set(GPUS) == {"H100", "H200", "B200"}
+
+
+def test_op_roofline() -> None:
+    matmul = OpCost(flops=1e12, bytes=1000, precision="bf16")
+    assert compute_seconds([matmul], H100) == pytest.approx(1e12 / 989e12)
+    copy = OpCost(flops=0.0, bytes=3_350_000_000, precision="bf16")
+    assert compute_seconds([copy], H100) == pytest.approx(1e-3)
+    assert compute_seconds([matmul, copy], H100) == pytest.approx(1e12 / 989e12 + 1e-3)
+    fp8 = compute_seconds([OpCost(1e12, 1000, "fp8")], H100)
+    fp32 = compute_seconds([OpCost(1e12, 1000, "fp32")], H100)
+    assert fp8 == pytest.approx(compute_seconds([matmul], H100) / 2)
+    assert fp32 == pytest.approx(compute_seconds([matmul], H100) * 2)
+    with pytest.raises(ValueError, match="OpCost.precision"):
+        compute_seconds([OpCost(1.0, 1, "int8")], H100)
+
+
+def test_ring_collectives() -> None:
+    size = 8_000_000_000
+    gather = Collective("dp_shard", "all_gather", size, tuple(range(8)))
+    assert collective_seconds(gather, H100, NODE) == pytest.approx(7 / 8 * size / 450e9)
+    two_nodes = Network(gpus_per_node=4)
+    assert collective_seconds(gather, H100, two_nodes) == pytest.approx(7 / 8 * size / 50e9)
+    reduce = Collective("dp_shard", "all_reduce", size, tuple(range(8)))
+    assert collective_seconds(reduce, H100, NODE) == pytest.approx(2 * collective_seconds(gather, H100, NODE))
+    assert collective_seconds(Collective("tp", "all_reduce", size, (3,)), H100, NODE) == 0.0
+    send = Collective("pp", "send", size, (0, 8))
+    recv = Collective("pp", "recv", size, (0, 8))
+    assert collective_seconds(send, H100, NODE) == pytest.approx(size / 50e9)
+    assert collective_seconds(recv, H100, NODE) == 0.0
+    custom = Network(intra_node_bandwidth=100e9)
+    assert collective_seconds(gather, H100, custom) == pytest.approx(7 / 8 * size / 100e9)
+    with pytest.raises(ValueError, match="Collective.kind"):
+        collective_seconds(Collective("tp", "all_gather_into", size, (0, 1)), H100, NODE)
+
+
+def _gather_taking(seconds: float, dim: str) -> Collective:
+    """An all-gather over 2 ranks on one node lasting `seconds` (ring factor 1/2 at 450 GB/s)."""
+    return Collective(dim, "all_gather", round(seconds * 2 * 450e9), (0, 1))
+
+
+def test_overlap_and_bubble() -> None:
+    ops = [OpCost(flops=989e12, bytes=0, precision="bf16")]  # exactly 1 s on an H100
+    args = dict(gpu=H100, network=NODE, tokens_per_gpu=1.0, model_flops_per_token=1.0)
+    hidden = estimate_step(ops, [_gather_taking(0.6, "dp_shard")], bubble_fraction=0.0, **args)
+    assert hidden.comm_s["dp_shard"] == pytest.approx(0.6)
+    assert hidden.exposed_comm_s["dp_shard"] == 0.0
+    assert hidden.step_s == pytest.approx(1.0)
+    # FSDP 1.2 s + PP 0.3 s overlap 1 s of compute: 0.5 s exposed, shared 4:1.
+    over = estimate_step(ops, [_gather_taking(1.2, "fsdp"), _gather_taking(0.3, "pp")], bubble_fraction=0.0, **args)
+    assert over.exposed_comm_s["fsdp"] == pytest.approx(0.4)
+    assert over.exposed_comm_s["pp"] == pytest.approx(0.1)
+    assert over.step_s == pytest.approx(1.5)
+    tp = estimate_step(ops, [_gather_taking(0.2, "tp"), _gather_taking(0.1, "cp")], bubble_fraction=0.0, **args)
+    assert tp.exposed_comm_s == pytest.approx({"tp": 0.2, "cp": 0.1})
+    assert tp.step_s == pytest.approx(1.3)
+    bubble = estimate_step(ops, [], bubble_fraction=0.2, **args)
+    assert bubble.bubble_s == pytest.approx(0.25)
+    assert bubble.step_s == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="bubble_fraction"):
+        estimate_step(ops, [], bubble_fraction=1.0, **args)
+
+
+def test_tokens_and_mfu() -> None:
+    # 4 s of bf16 matmul + 1 s of exposed TP: step 5 s, 8192 tokens -> 1638.4 tokens/s;
+    # 6e11 FLOPs/token * 1638.4 / 989e12 = 99.39 %.
+    ops = [OpCost(flops=4 * 989e12, bytes=0, precision="bf16")]
+    est = estimate_step(ops, [_gather_taking(1.0, "tp")], H100, NODE, bubble_fraction=0.0,
+                        tokens_per_gpu=8192.0, model_flops_per_token=6e11)
+    assert est.step_s == pytest.approx(5.0)
+    assert est.tokens_per_s == pytest.approx(1638.4)
+    assert est.mfu_pct == pytest.approx(100 * 6e11 * 1638.4 / 989e12)

@@ -1,0 +1,184 @@
+"""Roofline step time, tokens/s and MFU of one rank, from the ops and collectives a fake-tensor dry run recorded.
+
+This is an estimate for ranking parallel layouts, not a promise of measured numbers. The model:
+
+- Compute: each op takes max(flops / peak(precision), bytes / HBM bandwidth), so large matmuls are compute-bound and
+  elementwise, norm and softmax ops memory-bound; the op times add up (one stream, no concurrent kernels). Kernel
+  launch overheads and achieved-vs-peak efficiency are ignored, so the figure is an optimistic bound. Fusion is
+  ignored too: every op pays its own HBM round trip, as in eager mode (torch.compile would fuse some away).
+- Collectives: ring algorithms, the NCCL-tests bus-bandwidth model. For a group of n ranks and bandwidth B,
+  all_gather, reduce_scatter and all_to_all take (n-1)/n * bytes / B, all_reduce 2(n-1)/n * bytes / B, broadcast
+  and send bytes / B; a send/recv pair is counted once, on the send (recv takes 0); barrier takes 0. B is the
+  intra-node (NVLink) bandwidth when all ranks of the group share a node, else the inter-node bandwidth, the slowest
+  link of a ring that crosses nodes. There is no latency term, so small messages are under-estimated.
+- Overlap: FSDP/HSDP collectives (every dim whose name starts with "dp", and "fsdp") and pipeline send/recv ("pp")
+  run on their own streams behind compute: together they are exposed only by max(0, their sum - compute_s), which is
+  shared among their dims in proportion to their comm time. TP and CP collectives sit on the critical path (the
+  next matmul needs their output), and so do "loss" and any other dim: fully exposed.
+- Pipeline bubble: a rank idles a share f of the step (titan/parallel/stages.py ideal_bubble_fraction), so
+  bubble_s = compute_s * f / (1 - f).
+- step_s = compute_s + bubble_s + sum(exposed comm); tokens/s and MFU follow titan/metrics/throughput.py.
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from titan.metrics.throughput import PEAK_BF16_FLOPS, mfu_percent
+
+
+@dataclass(frozen=True)
+class OpCost:
+    flops: float
+    """FLOPs of the op on this rank (0 for non-matmul ops)."""
+    bytes: int
+    """Bytes of the op's tensor inputs plus outputs on this rank."""
+    precision: str
+    """Dtype class of a matmul's inputs: "bf16" (fp16 counts the same), "fp32" or "fp8"."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    dim: str
+    """Mesh dimension label: "dp_shard", "dp_replicate", "fsdp" (dp_shard x cp), "dp", "tp", "cp", "pp", "loss"."""
+    kind: str
+    """"all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send", "recv" or "barrier"."""
+    bytes: int
+    """Payload: all_gather the gathered output, reduce_scatter the full input, all_to_all the input, else the tensor."""
+    ranks: tuple[int, ...]
+    """Global ranks of the group, in group order."""
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_bf16_flops: float
+    """Dense bf16 tensor-core FLOP/s."""
+    peak_fp8_flops: float
+    peak_tf32_flops: float
+    """What fp32 matmuls get: TF32 tensor cores, as torch uses with high matmul precision."""
+    hbm_bytes: float
+    """Memory capacity in bytes (decimal GB, as datasheets state it)."""
+    hbm_bandwidth: float
+    """Bytes/s."""
+    nvlink_bandwidth: float
+    """Bytes/s per GPU, one direction."""
+
+
+def _gpu(name: str, hbm_bytes: float, hbm_bandwidth: float, nvlink_bandwidth: float) -> GPUSpec:
+    """Spec with the bf16 peak from metrics/throughput.py (one place for it); fp8 is 2x dense bf16 on Hopper and
+    Blackwell (datasheets), and TF32 half of bf16."""
+    bf16 = dict(PEAK_BF16_FLOPS)[name]
+    return GPUSpec(name, bf16, 2 * bf16, bf16 / 2, hbm_bytes, hbm_bandwidth, nvlink_bandwidth)
+
+
+# Memory and link figures from NVIDIA's datasheets (SXM parts). torch reports ~79.1 GiB usable on an 80 GB H100.
+# B200: 180 GB, as DGX B200 lists 1,440 GB for 8 GPUs. NVLink 4 moves 900 GB/s both ways (450 each), NVLink 5 1.8 TB/s.
+GPUS: dict[str, GPUSpec] = {
+    "H100": _gpu("H100", hbm_bytes=80e9, hbm_bandwidth=3.35e12, nvlink_bandwidth=450e9),
+    "H200": _gpu("H200", hbm_bytes=141e9, hbm_bandwidth=4.8e12, nvlink_bandwidth=450e9),
+    "B200": _gpu("B200", hbm_bytes=180e9, hbm_bandwidth=8e12, nvlink_bandwidth=900e9),
+}
+
+
+@dataclass(frozen=True)
+class Network:
+    gpus_per_node: int = 8
+    """GPUs that share one NVLink domain."""
+    inter_node_bandwidth: float = 50e9
+    """Bytes/s per GPU, one direction: one 400 Gb/s NDR InfiniBand NIC per GPU."""
+    intra_node_bandwidth: float | None = None
+    """Bytes/s per GPU, one direction, inside a node; None takes the GPU's NVLink bandwidth."""
+
+
+def _peak(precision: str, gpu: GPUSpec) -> float:
+    peaks = {"bf16": gpu.peak_bf16_flops, "fp16": gpu.peak_bf16_flops, "fp8": gpu.peak_fp8_flops,
+             "fp32": gpu.peak_tf32_flops}
+    if precision not in peaks:
+        raise ValueError(f"OpCost.precision {precision!r} is not one of {sorted(peaks)}. Record the dtype class "
+                         f"of the matmul's inputs.")
+    return peaks[precision]
+
+
+def compute_seconds(ops: Iterable[OpCost], gpu: GPUSpec) -> float:
+    """Roofline time of `ops` run one after another on `gpu`: each op is bound by FLOPs or by HBM traffic."""
+    return sum(max(op.flops / _peak(op.precision, gpu), op.bytes / gpu.hbm_bandwidth) for op in ops)
+
+
+# Bytes a ring moves over each GPU's link, as a multiple of the payload, for a group of n > 1 ranks.
+_RING_FACTOR = {
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,  # the matching send already counts the transfer
+    "barrier": lambda n: 0.0,
+}
+
+
+def collective_seconds(collective: Collective, gpu: GPUSpec, network: Network) -> float:
+    """Ring time of one collective: NVLink inside a node, the inter-node link once the group spans nodes."""
+    if collective.kind not in _RING_FACTOR:
+        raise ValueError(f"Collective.kind {collective.kind!r} is not one of {sorted(_RING_FACTOR)}. Map the "
+                         f"recorded c10d op to one of them.")
+    n = len(collective.ranks)
+    if n <= 1:
+        return 0.0
+    one_node = len({rank // network.gpus_per_node for rank in collective.ranks}) == 1
+    intra = network.intra_node_bandwidth if network.intra_node_bandwidth is not None else gpu.nvlink_bandwidth
+    bandwidth = intra if one_node else network.inter_node_bandwidth
+    return _RING_FACTOR[collective.kind](n) * collective.bytes / bandwidth
+
+
+def _overlaps_compute(dim: str) -> bool:
+    """FSDP/HSDP and pipeline traffic runs on side streams behind compute; TP, CP and the rest block the next op."""
+    return dim.startswith("dp") or dim in ("fsdp", "pp")
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    compute_s: float
+    """Roofline time of the ops this rank runs."""
+    bubble_s: float
+    """Pipeline idle time."""
+    comm_s: dict[str, float]
+    """Per mesh dim: total collective time."""
+    exposed_comm_s: dict[str, float]
+    """Per mesh dim: the part not hidden behind compute."""
+    step_s: float
+    tokens_per_s: float
+    """Per GPU."""
+    mfu_pct: float
+    """Model FLOPs (6N + attention, as given) per second over the GPU's dense bf16 peak."""
+
+
+def _exposed(comm_s: dict[str, float], compute_s: float) -> dict[str, float]:
+    """Overlapped dims share max(0, their sum - compute_s) by their comm time; the others are fully exposed."""
+    hidden = {dim: t for dim, t in comm_s.items() if _overlaps_compute(dim)}
+    hidden_total = sum(hidden.values())
+    excess = max(0.0, hidden_total - compute_s)
+    return {dim: (t * excess / hidden_total if hidden_total > 0 else 0.0) if dim in hidden else t
+            for dim, t in comm_s.items()}
+
+
+def estimate_step(ops: Iterable[OpCost], collectives: Iterable[Collective], gpu: GPUSpec, network: Network,
+                  bubble_fraction: float, tokens_per_gpu: float, model_flops_per_token: float) -> StepEstimate:
+    """Step time of one rank from its recorded ops and collectives. `bubble_fraction` is the share of the step the
+    rank idles in the pipeline schedule; `tokens_per_gpu` is the global batch's tokens over the world size."""
+    if not 0.0 <= bubble_fraction < 1.0:
+        raise ValueError(f"bubble_fraction {bubble_fraction} must be in [0, 1). Pass ideal_bubble_fraction(...).")
+    compute_s = compute_seconds(ops, gpu)
+    if compute_s == 0.0:
+        raise ValueError("estimate_step got no op with FLOPs or bytes. Record the step's aten ops before estimating.")
+    bubble_s = compute_s * bubble_fraction / (1.0 - bubble_fraction)
+    comm_s: dict[str, float] = defaultdict(float)
+    for collective in collectives:
+        comm_s[collective.dim] += collective_seconds(collective, gpu, network)
+    exposed = _exposed(dict(comm_s), compute_s)
+    step_s = compute_s + bubble_s + sum(exposed.values())
+    tokens_per_s = tokens_per_gpu / step_s
+    mfu_pct = mfu_percent(model_flops_per_token, tokens_per_s, gpu.peak_bf16_flops)
+    assert mfu_pct is not None  # None only for an unknown peak
+    return StepEstimate(compute_s, bubble_s, dict(comm_s), exposed, step_s, tokens_per_s, mfu_pct)
