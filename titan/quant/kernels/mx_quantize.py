@@ -21,6 +21,9 @@ COLUMNS_TILE = (64, 2)
 """(kept columns, blocks per column) per program when blocks run along dim 0: 64 contiguous columns of 64 rows,
 so a (tokens, dim) tensor spreads over (dim / 64) x (tokens / 64) programs."""
 
+# Compiled Triton reads module globals only as constexprs (the interpreter reads any global, so CPU tests missed it).
+_E8M0_NAN = tl.constexpr(E8M0_NAN)
+
 
 @triton.jit
 def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
@@ -40,9 +43,9 @@ def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
     blocks_bits = tl.reshape(abs_bits(x), (BLOCK_KEPT, BLOCKS_PER_PROGRAM, BLOCK_SIZE))
     amax_bits = tl.max(blocks_bits, 2)  # (BLOCK_KEPT, BLOCKS_PER_PROGRAM); nan's bits sort above inf's
     codes = tl.maximum((amax_bits >> 23) - EMAX, 0)  # numerics.scale_codes
-    codes = tl.where(amax_bits >= 0x7F800000, E8M0_NAN, codes)
+    codes = tl.where(amax_bits >= 0x7F800000, _E8M0_NAN, codes)
     inverse_scale = (tl.maximum(254 - codes, 0) << 23).to(tl.float32, bitcast=True)  # numerics.inverse_scale_values
-    inverse_scale = tl.where(codes == E8M0_NAN, float("nan"), inverse_scale)
+    inverse_scale = tl.where(codes == _E8M0_NAN, float("nan"), inverse_scale)
     x_blocks = tl.reshape(x, (BLOCK_KEPT, BLOCKS_PER_PROGRAM, BLOCK_SIZE))
     elements = to_float8_bits(x_blocks, inverse_scale[:, :, None], FP8_MAX, MANTISSA_BITS, EXPONENT_BIAS)
     elements = tl.reshape(elements, (BLOCK_KEPT, TILE_REDUCED))
