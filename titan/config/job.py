@@ -284,7 +284,8 @@ class ActivationCheckpoint:
     outputs) instead of recomputing them in backward, since attention is the costliest op to recompute. Costs per
     checkpointed block about one more tensor the size of the block's input, (batch, seq, dim); three with tensor
     parallel. false recomputes everything: the least memory, e.g. for very long contexts. Selective "op" always
-    keeps them."""
+    keeps them. In eager mode on a GPU blocks recompute attention whatever this says: keeping it there runs a Python
+    dispatch mode over every op of the block, which costs more than it saves (--training.compile keeps it)."""
 
 
 @dataclass

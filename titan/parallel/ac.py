@@ -45,6 +45,15 @@ def op_sac_context(save_matmuls: bool = True) -> tuple:
     return create_selective_checkpoint_contexts(save_policy)
 
 
+def keeps_attention(save_attention: bool, compiled: bool, on_gpu: bool) -> bool:
+    """Whether checkpointed blocks keep their attention outputs (--activation_checkpoint.save_attention) on this run.
+    Not in eager mode on a GPU: there the selective-checkpoint dispatch mode that keeps them runs Python for every
+    op of the block, in forward and in recompute, which cost more than recomputing attention saves (0.69x and 0.81x
+    of the step's speed measured on an H100, docs/performance.md). Compiled, the policy is traced into the graph
+    and costs nothing at run time; on a CPU the step is compute-bound and keeping attention pays (1.08x)."""
+    return save_attention and (compiled or not on_gpu)
+
+
 def checkpoint_every(option: str) -> int | None:
     """k for `selective_ac_option` "k" (checkpoint every k-th block), None for "op"."""
     return None if option == "op" else int(option)

@@ -13,17 +13,21 @@ from titan.parallel.tp import apply_tp
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
-                      ac: ActivationCheckpoint, train: Training, compile_cfg: Compile) -> None:
+                      ac: ActivationCheckpoint, train: Training, compile_cfg: Compile, keep_attention: bool) -> None:
     """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so
     later stages see DTensor weights; compile traces the checkpointed block; FSDP wraps last so that each FSDP unit
-    is a final (compiled) block."""
+    is a final (compiled) block. `keep_attention`: whether checkpointed blocks keep attention outputs on these
+    ranks (titan/parallel/ac.py keeps_attention)."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
     if ac.mode != "none":
-        apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=ac.save_attention)
+        apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=keep_attention)
+        if keep_attention != ac.save_attention:
+            logger.info("Checkpointed blocks recompute attention: keeping it costs more than it saves in eager mode "
+                        "on a GPU (--training.compile keeps it at no run-time cost).")
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
     if train.compile:

@@ -26,6 +26,7 @@ from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_pea
 from titan.metrics.log import logger
 from titan.models.llama.args import LLAMA3_VOCAB_SIZE
 from titan.models.llama.model import precompute_rope_cache
+from titan.parallel.ac import keeps_attention
 from titan.parallel.dims import Meshes, build_meshes, resolve_dims
 from titan.parallel.stages import ideal_bubble_fraction
 from titan.train.trainer import Trainer, set_seed
@@ -86,6 +87,7 @@ class DryRunTrainer(Trainer):
 
     def __init__(self, cfg: JobConfig, world_size: int, rank: int, fake_mode: FakeTensorMode) -> None:
         self.cfg = replace(cfg, training=replace(cfg.training, compile=False))
+        self.compile_requested = cfg.training.compile
         self.rank = rank
         self.device = torch.device("cpu")
         self.dims = resolve_dims(cfg.parallelism, world_size)
@@ -100,6 +102,11 @@ class DryRunTrainer(Trainer):
         with fake_mode:
             self.init_model_weights()
             self.build_optimization()
+
+    def keeps_attention(self) -> bool:
+        """As the simulated rank would decide: on a GPU, compiled if the job compiles (compile is off here only
+        because fake tensors can't run it)."""
+        return keeps_attention(self.cfg.activation_checkpoint.save_attention, self.compile_requested, on_gpu=True)
 
     def init_model_weights(self) -> None:
         """Storage for every part (fake: none is allocated) and the rotary table; weight values don't matter here."""

@@ -29,6 +29,7 @@ from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
 from titan.models.llama.loss import cross_entropy_loss
 from titan.models.llama.model import Transformer
+from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import context_parallel_attention, describe_cp_path, shard_sequence
 from titan.parallel.dims import (
     build_device,
@@ -133,8 +134,13 @@ class Trainer:
         self.model_parts, self.stage_ids = self.split_pipeline(model)
         for part in self.model_parts:
             parallelize_llama(part, self.dims, self.meshes, cfg.parallelism, cfg.activation_checkpoint, cfg.training,
-                              cfg.compile)
+                              cfg.compile, keep_attention=self.keeps_attention())
         return model_fqns
+
+    def keeps_attention(self) -> bool:
+        """Whether checkpointed blocks keep attention outputs on this run's device."""
+        return keeps_attention(self.cfg.activation_checkpoint.save_attention, self.cfg.training.compile,
+                               on_gpu=self.device.type == "cuda")
 
     def build_optimization(self) -> None:
         """What a step needs besides the materialised model parts: the rank's whole share of the model, the loss,
