@@ -4,8 +4,9 @@ import os
 import sys
 
 from titan.config.check import load_job_config
+from titan.dry_run import dry_run
 from titan.exits import run_main
-from titan.metrics.log import init_logger
+from titan.metrics.log import current_rank, init_logger
 from titan.parallel.dims import destroy_distributed
 from titan.train.trainer import Trainer
 
@@ -13,7 +14,12 @@ from titan.train.trainer import Trainer
 def train(argv: list[str]) -> None:
     init_logger()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    Trainer(load_job_config(argv, world_size), world_size).run()
+    cfg = load_job_config(argv, world_size)
+    if cfg.job.dry_run:
+        # Under torchrun each process simulates its own rank (run_train.sh simulates rank 0 and the last itself).
+        dry_run(argv, world_size, ranks=[current_rank()])
+        return
+    Trainer(cfg, world_size).run()
 
 
 def main(argv: list[str]) -> int:

@@ -57,12 +57,15 @@ def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> floa
     return median_seconds(lambda: module(x.detach().requires_grad_()).backward(grad), repeats, x.device)
 
 
-def peak_tensor_bytes(fn: Callable[[], object]) -> int:
+def peak_tensor_bytes(fn: Callable[[], object], *external: torch.nn.Module | torch.optim.Optimizer) -> int:
     """Peak bytes of the tensors alive during fn(), on the device where they peak highest. Counts the storages that
     fn's ops return, seen by torch's dispatcher (so on CPU too, and without allocator caching): a tensor made
-    before fn counts once an op returns it or a view of it (a slice, an in-place op). A torch.compile'd fn runs
-    eagerly under the tracker's dispatch mode, so this is the eager code's peak, not the compiled code's."""
+    before fn counts once an op returns it or a view of it (a slice, an in-place op), and from the start if it
+    belongs to one of the `external` modules or optimizers (their parameters, buffers, gradients and states). A
+    torch.compile'd fn runs eagerly under the tracker's dispatch mode, so this is the eager code's peak, not the
+    compiled code's."""
     tracker = MemTracker()
+    tracker.track_external(*external)
     with tracker:
         fn()
     return max(device_peak["Total"] for device_peak in tracker.get_tracker_snapshot("peak").values())

@@ -2,11 +2,14 @@
 
 import pytest
 
+from dataclasses import replace
+
 from titan.estimate.roofline import (GPUS, Collective, Network, OpCost, collective_seconds, compute_seconds,
                                      estimate_step)
 from titan.metrics.throughput import PEAK_BF16_FLOPS
 
-H100 = GPUS["H100"]
+# The datasheet H100, every kernel at its peak: round numbers for the arithmetic below.
+H100 = replace(GPUS["H100"], matmul_efficiency=1.0, attention_efficiency=1.0, hbm_efficiency=1.0)
 NODE = Network()
 
 
@@ -30,6 +33,17 @@ def test_op_roofline() -> None:
     assert fp32 == pytest.approx(compute_seconds([matmul], H100) * 2)
     with pytest.raises(ValueError, match="OpCost.precision"):
         compute_seconds([OpCost(1.0, 1, "int8")], H100)
+
+
+def test_achieved_ceilings_scale_each_kind_of_op() -> None:
+    """Matmuls run at matmul_efficiency of the peak, fused attention at attention_efficiency, memory-bound ops at
+    hbm_efficiency of the bandwidth; the shipped specs carry the shares measured on an H100 (all below 1)."""
+    achieved = replace(H100, matmul_efficiency=0.5, attention_efficiency=0.25, hbm_efficiency=0.8)
+    assert compute_seconds([OpCost(1e12, 1000, "bf16")], achieved) == pytest.approx(2e12 / 989e12)
+    assert compute_seconds([OpCost(1e12, 1000, "bf16", attention=True)], achieved) == pytest.approx(4e12 / 989e12)
+    assert compute_seconds([OpCost(0.0, 3_350_000_000, "bf16")], achieved) == pytest.approx(1e-3 / 0.8)
+    for gpu in GPUS.values():
+        assert 0 < gpu.attention_efficiency < gpu.matmul_efficiency < gpu.hbm_efficiency < 1
 
 
 def test_ring_collectives() -> None:

@@ -2,10 +2,12 @@
 
 This is an estimate for ranking parallel layouts, not a promise of measured numbers. The model:
 
-- Compute: each op takes max(flops / peak(precision), bytes / HBM bandwidth), so large matmuls are compute-bound and
-  elementwise, norm and softmax ops memory-bound; the op times add up (one stream, no concurrent kernels). Kernel
-  launch overheads and achieved-vs-peak efficiency are ignored, so the figure is an optimistic bound. Fusion is
-  ignored too: every op pays its own HBM round trip, as in eager mode (torch.compile would fuse some away).
+- Compute: each op takes max(flops / achieved FLOP/s, bytes / achieved HBM bandwidth), so large matmuls are
+  compute-bound and elementwise, norm and softmax ops memory-bound; the op times add up (one stream, no concurrent
+  kernels). Achieved means the datasheet peak times the share that a training step's kernels reach on that GPU
+  (GPUSpec's *_efficiency fields, measured by scripts/bench_roofline.py on an H100): cuBLAS matmuls, fused attention
+  and eager elementwise kernels each have their own. Kernel launch overheads are ignored, and so is fusion: every op
+  pays its own HBM round trip, as in eager mode (torch.compile fuses some away, so compiled runs beat the estimate).
 - Collectives: ring algorithms, the NCCL-tests bus-bandwidth model. For a group of n ranks and bandwidth B,
   all_gather, reduce_scatter and all_to_all take (n-1)/n * bytes / B, all_reduce 2(n-1)/n * bytes / B, broadcast
   and send bytes / B; a send/recv pair is counted once, on the send (recv takes 0); barrier takes 0. B is the
@@ -35,6 +37,8 @@ class OpCost:
     """Bytes of the op's tensor inputs plus outputs on this rank."""
     precision: str
     """Dtype class of a matmul's inputs: "bf16" (fp16 counts the same), "fp32" or "fp8"."""
+    attention: bool = False
+    """A fused attention kernel, whose FLOPs run at GPUSpec.attention_efficiency rather than the matmuls' share."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +67,30 @@ class GPUSpec:
     """Bytes/s."""
     nvlink_bandwidth: float
     """Bytes/s per GPU, one direction."""
+    matmul_efficiency: float
+    """Share of the matmul peaks that a training step's cuBLAS matmuls reach."""
+    attention_efficiency: float
+    """Share of the bf16 peak that fused causal attention, forward and backward, reaches (FLOPs as trace.py counts
+    them: the causal half)."""
+    hbm_efficiency: float
+    """Share of the HBM bandwidth that eager elementwise kernels reach."""
+
+
+# Measured on an H100 80GB HBM3 (SXM), torch 2.11.0+cu130, by `python scripts/bench_roofline.py` (docs/scale.md):
+# matmuls of the 1B and 8B blocks at 16,384 tokens reached 0.652 and 0.698 of the bf16 peak, causal attention
+# forward + backward 0.405 (head dim 64) and 0.500 (head dim 128), elementwise kernels over 1 GiB 0.874 of the HBM
+# bandwidth. Taken as the same shares of the H200's and B200's datasheet figures: an assumption, not a measurement.
+MATMUL_EFFICIENCY = 0.675
+ATTENTION_EFFICIENCY = 0.45
+HBM_EFFICIENCY = 0.87
 
 
 def _gpu(name: str, hbm_bytes: float, hbm_bandwidth: float, nvlink_bandwidth: float) -> GPUSpec:
     """Spec with the bf16 peak from metrics/throughput.py (one place for it); fp8 is 2x dense bf16 on Hopper and
     Blackwell (datasheets), and TF32 half of bf16."""
     bf16 = dict(PEAK_BF16_FLOPS)[name]
-    return GPUSpec(name, bf16, 2 * bf16, bf16 / 2, hbm_bytes, hbm_bandwidth, nvlink_bandwidth)
+    return GPUSpec(name, bf16, 2 * bf16, bf16 / 2, hbm_bytes, hbm_bandwidth, nvlink_bandwidth,
+                   MATMUL_EFFICIENCY, ATTENTION_EFFICIENCY, HBM_EFFICIENCY)
 
 
 # Memory and link figures from NVIDIA's datasheets (SXM parts). torch reports ~79.1 GiB usable on an 80 GB H100.
@@ -100,9 +121,15 @@ def _peak(precision: str, gpu: GPUSpec) -> float:
     return peaks[precision]
 
 
+def op_seconds(op: OpCost, gpu: GPUSpec) -> float:
+    """Roofline time of one op at `gpu`'s achieved ceilings: bound by its FLOPs or by its HBM traffic."""
+    efficiency = gpu.attention_efficiency if op.attention else gpu.matmul_efficiency
+    return max(op.flops / (_peak(op.precision, gpu) * efficiency), op.bytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency))
+
+
 def compute_seconds(ops: Iterable[OpCost], gpu: GPUSpec) -> float:
-    """Roofline time of `ops` run one after another on `gpu`: each op is bound by FLOPs or by HBM traffic."""
-    return sum(max(op.flops / _peak(op.precision, gpu), op.bytes / gpu.hbm_bandwidth) for op in ops)
+    """Roofline time of `ops` run one after another on `gpu`."""
+    return sum(op_seconds(op, gpu) for op in ops)
 
 
 # Bytes a ring moves over each GPU's link, as a multiple of the payload, for a group of n > 1 ranks.

@@ -58,6 +58,14 @@ FUNCTIONAL_COLLECTIVES = {
 # CPU runs (the dry run's fake tensors included) take SDPA's CPU flash kernel, which torch's FLOP table lacks.
 CPU_FLASH_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# Fused attention kernels (a dry run records the CPU ones; a run on a GPU the others), timed at the roofline's
+# attention efficiency rather than the matmuls'.
+ATTENTION_OPS = {getattr(aten, name) for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward") if hasattr(aten, name)}
 
 
 @dataclass(frozen=True)
@@ -76,13 +84,21 @@ def attention_flops(query: torch.Tensor, key: torch.Tensor, causal: bool) -> flo
     return flops / 2 if causal else flops
 
 
+def argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) -> object:
+    """The value of the op's argument `name`, given positionally, by keyword, or left at its default."""
+    for index, declared in enumerate(func._schema.arguments):
+        if declared.name == name:
+            return args[index] if index < len(args) else kwargs.get(name, declared.default_value)
+    raise KeyError(f"{func} has no argument {name}")
+
+
 def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> float:
     """The op's FLOPs from torch's FLOP table (matmuls, fused attention), with CPU flash attention added."""
     if func is CPU_FLASH_ATTENTION:
-        return attention_flops(args[0], args[1], causal=bool(args[4]) if len(args) > 4 else kwargs["is_causal"])
+        return attention_flops(args[0], args[1], causal=bool(argument(func, args, kwargs, "is_causal")))
     if func is CPU_FLASH_ATTENTION_BACKWARD:
         # dQ, dK, dV and the recomputed scores: 2.5x the forward's matmul work, torch's convention for flash.
-        return 2.5 * attention_flops(args[1], args[2], causal=bool(args[7]) if len(args) > 7 else kwargs["is_causal"])
+        return 2.5 * attention_flops(args[1], args[2], causal=bool(argument(func, args, kwargs, "is_causal")))
     counter = flop_registry.get(func._overloadpacket)
     return float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
 
@@ -192,16 +208,27 @@ class StepRecorder(TorchDispatchMode):
             self.see(tensor.untyped_storage())
         if func in C10D_COLLECTIVES or func in FUNCTIONAL_COLLECTIVES:
             self.record_collective(func, args, out)
-        elif not func.is_view:
+        elif not func.is_view and self.moves_data(func, args, kwargs, outputs):
             self.record_cost(func, args, kwargs, out, outputs)
         return out
+
+    def moves_data(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                   outputs: list[torch.Tensor]) -> bool:
+        """Whether the op reads or writes tensor memory. Ops that return no tensor and change none (prim.device:
+        one call per tensor moved to a device, 11k per step of the 1B model) or only return an alias of an input
+        (views torch does not mark as views, such as _unsafe_view) cost no HBM traffic and no kernel."""
+        if func._schema.is_mutable:
+            return True
+        input_storages = {self._ids.get(t.untyped_storage()) for t in local_tensors((args, kwargs))}
+        return any(self._ids.get(t.untyped_storage()) not in input_storages for t in outputs)
 
     def record_cost(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
                     outputs: list[torch.Tensor]) -> None:
         inputs = local_tensors((args, kwargs))
         moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
         flops = op_flops(func, args, kwargs, out)
-        self.ops.append(OpCost(flops=flops, bytes=moved, precision=precision_class(inputs[0]) if flops else "bf16"))
+        self.ops.append(OpCost(flops=flops, bytes=moved, precision=precision_class(inputs[0]) if flops else "bf16",
+                               attention=func._overloadpacket in ATTENTION_OPS))
 
     def record_collective(self, func: torch._ops.OpOverload, args: tuple, out: object) -> None:
         """One collective's payload (roofline.Collective's conventions) and group; its buffers are communication

@@ -1,0 +1,225 @@
+"""Check the dry run's predictions against real steps of the same jobs on this machine (docs/scale.md):
+
+    python scripts/validate_estimate.py                 # CPU: debug model and 100M, 1 and 2 gloo processes
+    python scripts/validate_estimate.py --cuda          # one GPU: 100M and 1B, AC none/selective/full
+    python scripts/validate_estimate.py --check debug-fsdp2 debug-tp2   # some cases; exit 1 past the tolerance
+
+Each case is a Titan job at a world size. Its prediction is rank 0 of a fake-tensor dry run at that world size
+(titan/train/dry_run.py, in a process of its own); its measurement is rank 0 of the same job run for real, after
+two steps that create the optimizer state and warm the caches:
+- peak memory of one step, in tensor bytes: on CPU, torch's MemTracker (every storage the dispatcher sees, with the
+  model and optimizer registered before the step, no allocator caching; not RSS); on CUDA,
+  torch.cuda.max_memory_allocated. Both are independent of the dry run's own accounting.
+- collective bytes of one step per mesh dim and kind, on 2 processes: the dry run's StepRecorder run on the real
+  tensors of the gloo run (so the check is whether the fake process group and fake tensors reproduce the real
+  run's traffic; the byte conventions themselves are checked by hand arithmetic in tests/test_dry_run.py).
+- on CUDA also the median step time against the roofline estimate for --estimate.gpu (an optimistic bound by
+  design: it ranks layouts, and the table says by how much it undershoots).
+--check fails a case whose peak is off by more than --tolerance (default 10%) or whose collective bytes differ."""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench_common import peak_tensor_bytes  # noqa: E402
+from titan.config.check import load_job_config  # noqa: E402
+from titan.metrics.log import init_logger  # noqa: E402
+
+GIB = 2**30
+DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
+TIMED_STEPS = 10
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world_size: int
+    flags: tuple[str, ...]
+
+
+# A dry run simulates GPU ranks, whose eager checkpointed blocks recompute attention (titan/parallel/ac.py
+# keeps_attention); a CPU run keeps it unless told not to, so the CPU cases of full AC say so.
+FULL_AC_RECOMPUTING_ALL = ("--activation_checkpoint.save_attention", "false")
+
+
+def cpu_cases() -> list[Case]:
+    """Small shapes that still run every part: 2 x 512 tokens; the debug model in float32 (its config's), the
+    ~100M-parameter flavor in bf16 autocast (FSDP gathering bf16)."""
+    shape = ("--training.local_batch_size", "2", "--training.seq_len", "512")
+    cases = []
+    for model, flavor, dtype in (("debug", "debugmodel", "float32"), ("100M", "100M", "bfloat16")):
+        base = ("--model.flavor", flavor, "--training.mixed_precision_param", dtype, *shape)
+        for mode, extra in (("none", ()), ("full", FULL_AC_RECOMPUTING_ALL), ("selective", ())):
+            cases.append(Case(f"{model}-ac-{mode}", 1, (*base, "--activation_checkpoint.mode", mode, *extra)))
+        cases.append(Case(f"{model}-fsdp2", 2, (*base, "--parallelism.data_parallel_shard_degree", "2")))
+        cases.append(Case(f"{model}-tp2", 2, (*base, "--parallelism.tensor_parallel_degree", "2")))
+    return cases
+
+
+def cuda_cases() -> list[Case]:
+    """One GPU: the 100M flavor at 8 x 2048 tokens, and 1B at 2 x 8192 tokens (the shipped tokenizer's vocabulary)."""
+    cases = []
+    for model, flavor, batch, seq_len in (("100M", "100M", 8, 2048), ("1B", "1B", 2, 8192)):
+        base = ("--model.flavor", flavor, "--training.local_batch_size", str(batch), "--training.seq_len",
+                str(seq_len), "--training.mixed_precision_param", "bfloat16")
+        for mode in ("none", "selective", "full"):
+            cases.append(Case(f"{model}-cuda-ac-{mode}", 1, (*base, "--activation_checkpoint.mode", mode)))
+    return cases
+
+
+def job_flags(case: Case, dump_folder: str) -> list[str]:
+    return ["--job.config_file", DEBUG_TOML, "--job.dump_folder", dump_folder, "--metrics.log_freq", "1000000",
+            "--training.steps", "1000", *case.flags]
+
+
+def predict(world_size: int, flags: list[str]) -> dict:
+    """Rank 0 of the dry run: peak bytes, collective bytes per 'dim kind', roofline step seconds."""
+    from titan.estimate.report import step_estimate
+    from titan.train.dry_run import run_dry_run
+
+    cfg = load_job_config([*flags, "--job.dry_run"], world_size)
+    result = run_dry_run(cfg, world_size, rank=0)
+    collectives: dict[str, int] = {}
+    for collective in result.collectives:
+        key = f"{collective.dim} {collective.kind}"
+        collectives[key] = collectives.get(key, 0) + collective.bytes
+    return {"peak": result.memory.total, "collectives": collectives,
+            "step_s": step_estimate(result, cfg.estimate).step_s}
+
+
+def measure(world_size: int, flags: list[str]) -> dict:
+    """The real job's rank 0: peak bytes of one step, collective bytes of one step, median step seconds."""
+    from titan.estimate.trace import StepRecorder
+    from titan.train.dry_run import group_infos
+    from titan.train.trainer import Trainer
+
+    trainer = Trainer(load_job_config(flags, world_size), world_size)
+    batches = iter(trainer.dataloader)
+    cuda = trainer.device.type == "cuda"
+    for _ in range(2):
+        trainer.train_step(batches)
+    seconds = []
+    for _ in range(TIMED_STEPS if cuda else 0):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train_step(batches)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        trainer.train_step(batches)
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = peak_tensor_bytes(lambda: trainer.train_step(batches), *trainer.model_parts, trainer.optimizer)
+    collectives: dict[str, int] = {}
+    if world_size > 1:
+        recorder = StepRecorder(group_infos(trainer.meshes))
+        with recorder:
+            trainer.train_step(batches)
+        for collective in recorder.collectives:
+            key = f"{collective.dim} {collective.kind}"
+            collectives[key] = collectives.get(key, 0) + collective.bytes
+    return {"peak": peak, "collectives": collectives, "step_s": statistics.median(seconds) if seconds else None}
+
+
+def start_worker(role: str, case: Case, folder: Path) -> tuple[subprocess.Popen, Path]:
+    """Start predict or measure for `case` in fresh processes (torchrun for a measured world size above 1): a fake
+    and a real process group can't share a process. Returns the process and the file its rank 0 writes."""
+    out = folder / f"{case.name}-{role}.json"
+    worker = [str(Path(__file__).resolve()), "--worker", role, "--out", str(out), "--world-size",
+              str(case.world_size), "--", *job_flags(case, str(folder / case.name))]
+    if role == "measure" and case.world_size > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={case.world_size}", *worker]
+    else:
+        command = [sys.executable, *worker]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "LOG_RANK": "0"})
+    return process, out
+
+
+def finish_worker(case: Case, role: str, process: subprocess.Popen, out: Path) -> dict:
+    output, _ = process.communicate()
+    if process.returncode != 0:
+        raise RuntimeError(f"{case.name}: {role} failed with exit code {process.returncode}:\n{output[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def compare(case: Case, predicted: dict, measured: dict, tolerance: float) -> tuple[str, list[str]]:
+    """One table row, and the problems --check reports."""
+    error = predicted["peak"] / measured["peak"] - 1
+    problems = []
+    if abs(error) > tolerance:
+        problems.append(f"{case.name}: predicted peak {predicted['peak'] / GIB:.3f} GiB is {100 * error:+.1f}% off "
+                        f"the measured {measured['peak'] / GIB:.3f} GiB (tolerance {100 * tolerance:.0f}%).")
+    if measured["collectives"] != predicted["collectives"]:
+        problems.append(f"{case.name}: collective bytes per step differ: predicted {predicted['collectives']}, "
+                        f"measured {measured['collectives']}.")
+    traffic = ", ".join(f"{key} {nbytes / 2**20:.1f} MiB" for key, nbytes in sorted(measured["collectives"].items()))
+    row = (f"{case.name:<20} {case.world_size:>5} {predicted['peak'] / GIB:>10.3f} {measured['peak'] / GIB:>10.3f} "
+           f"{100 * error:>+7.1f}%")
+    if measured["step_s"] is not None:
+        row += (f" {1e3 * predicted['step_s']:>10.1f} {1e3 * measured['step_s']:>10.1f} "
+                f"{predicted['step_s'] / measured['step_s']:>7.2f}")
+    if traffic:
+        row += f"  {traffic} ({'same' if measured['collectives'] == predicted['collectives'] else 'DIFFERENT'})"
+    return row, problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="*", help="case names (default: every case of the device)")
+    parser.add_argument("--cuda", action="store_true", help="the one-GPU cases (peak and step time)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a case is past the tolerance")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="largest relative peak error for --check")
+    parser.add_argument("--worker", choices=["predict", "measure"], help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])
+    if args.worker is not None:
+        init_logger()
+        report = (predict if args.worker == "predict" else measure)(args.world_size, argv[split + 1:])
+        if int(os.environ.get("RANK", "0")) == 0:
+            Path(args.out).write_text(json.dumps(report))
+        return 0
+    cases = cuda_cases() if args.cuda else cpu_cases()
+    known = {case.name: case for case in cases + cpu_cases() + cuda_cases()}
+    unknown = [name for name in args.cases if name not in known]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    cases = [known[name] for name in args.cases] or cases
+    header = f"{'case':<20} {'ranks':>5} {'pred GiB':>10} {'meas GiB':>10} {'error':>8}"
+    if args.cuda:
+        header += f" {'pred ms':>10} {'meas ms':>10} {'ratio':>7}"
+    rows, problems = [header + "  collectives per step (rank 0)"], []
+    with tempfile.TemporaryDirectory() as tmp:
+        # Predictions run on the CPU side by side, before any measurement, so they never overlap a timed step.
+        predictions = [start_worker("predict", case, Path(tmp)) for case in cases]
+        predicted = [finish_worker(case, "predict", *started) for case, started in zip(cases, predictions)]
+        for case, prediction in zip(cases, predicted):
+            measured = finish_worker(case, "measure", *start_worker("measure", case, Path(tmp)))
+            row, found = compare(case, prediction, measured, args.tolerance)
+            print(row, flush=True)
+            rows.append(row)
+            problems += found
+    print("\n".join(rows))
+    print("\n".join(problems) if problems else f"All {len(cases)} cases within {100 * args.tolerance:.0f}%.")
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

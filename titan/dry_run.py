@@ -1,0 +1,76 @@
+"""Simulate ranks of a job at its real world size on this machine, one at a time, and print each one's report:
+    python -m titan.dry_run --world_size 512 --rank 0 --rank 511 --job.config_file configs/llama3_405b.toml
+--rank may repeat; without it, rank 0 and the last rank (the first and last pipeline stages, which hold the
+embedding and the output) are simulated. Every other flag is Titan's. Exit codes are train.py's: 2 when the config
+is invalid for that world size or a rank's predicted peak does not fit in the GPU (--estimate.gpu).
+`./run_train.sh --job.dry_run` runs the same for NGPU ranks."""
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.exits import run_main
+from titan.metrics.log import init_logger, logger
+
+
+def documented_world_size(config: Path) -> int:
+    """The world size a shipped config is meant for, from its '# World size: N (...)' comment line."""
+    found = re.search(r"^# World size: (\d+) ", config.read_text(), re.MULTILINE)
+    if found is None:
+        raise ConfigError(f"{config} does not say which world size it is meant for. Add a comment line "
+                          f"'# World size: N (where)'.")
+    return int(found.group(1))
+
+
+def dry_run(argv: list[str], world_size: int, ranks: list[int] | None) -> int:
+    """Validate the config for `world_size`, then simulate and report each of `ranks` (default: first and last).
+    Returns the exit code (a rank simulated here raises its errors instead)."""
+    # Imported here: the trainer's imports are slow, and a config error should come out before them.
+    from titan.estimate.report import check_fits, format_report
+    from titan.train.dry_run import run_dry_run
+
+    if world_size < 1:
+        raise ConfigError(f"--world_size {world_size} must be at least 1: the number of GPUs the job is meant for.")
+    cfg = load_job_config([*argv, "--job.dry_run"], world_size)
+    ranks = ranks if ranks is not None else sorted({0, world_size - 1})
+    outside = [rank for rank in ranks if not 0 <= rank < world_size]
+    if outside:
+        raise ConfigError(f"--rank {', '.join(map(str, outside))} is not a rank of a job of --world_size {world_size} "
+                          f"(ranks 0 to {world_size - 1}).")
+    if len(ranks) > 1:
+        return simulate_in_subprocesses(argv, world_size, ranks)
+    result = run_dry_run(cfg, world_size, ranks[0])
+    logger.info(format_report(result, cfg.estimate))
+    check_fits(result, cfg.estimate)
+    return 0
+
+
+def simulate_in_subprocesses(argv: list[str], world_size: int, ranks: list[int]) -> int:
+    """One fresh process per rank: torch keeps per-process caches keyed by process-group names (DTensor's sharding
+    cache, device meshes) that a second fake process group in the same process would collide with."""
+    codes = []
+    for rank in ranks:
+        command = [sys.executable, "-m", "titan.dry_run", "--world_size", str(world_size), "--rank", str(rank), *argv]
+        codes.append(subprocess.run(command, check=False).returncode)
+    failed = [(rank, code) for rank, code in zip(ranks, codes) if code != 0]
+    for rank, code in failed:
+        logger.error(f"The dry run of rank {rank} exited with code {code}; its messages above say why.")
+    return failed[0][1] if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    init_logger()
+    parser = argparse.ArgumentParser(prog="python -m titan.dry_run", add_help=False,
+                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world_size", type=int, required=True, help="Ranks of the simulated job (GPUs).")
+    parser.add_argument("--rank", type=int, action="append", help="A rank to simulate; repeat for more.")
+    known, titan_args = parser.parse_known_args(argv)
+    return run_main(lambda: dry_run(titan_args, known.world_size, known.rank))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
