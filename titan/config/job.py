@@ -50,7 +50,8 @@ class Job:
 class Estimate:
     gpu: Literal["H100", "H200", "B200"] = "H100"
     """GPU the dry run's roofline step time and the memory headroom are for (SXM parts: dense bf16 peak, HBM
-    size and bandwidth, NVLink bandwidth from NVIDIA's datasheets)."""
+    size and bandwidth, NVLink bandwidth from NVIDIA's datasheets, scaled by the shares of those peaks that a
+    training step's kernels reached on an H100; docs/scale.md)."""
     gpus_per_node: Count = 8
     """GPUs per node: collectives among ranks of one node use NVLink, the others the inter-node network."""
     inter_node_bandwidth_gbs: PositiveFloat = 50.0

@@ -51,7 +51,7 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
     share = 100 * result.local_params / result.num_params
     lines = [
         f"Dry run of rank {result.rank} of {result.world_size} ({result.layout}); this rank runs {result.stages}.",
-        f"Model: {result.num_params:,} parameters, {result.flops_per_token / 1e9:.1f} GFLOPs per token (6N + "
+        f"Model: {result.num_params:,} parameters, {result.flops_per_token / 1e9:.3g} GFLOPs per token (6N + "
         f"attention, the MFU convention); this rank holds {result.local_params:,} ({share:.2f}%).",
         f"Memory at the step's peak, tensor bytes on this rank (GiB), eager code (compile off):",
         *(f"  {name:<28} {memory.by_category[name] / GIB:>8.2f}" for name in CATEGORIES),
