@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_common import peak_tensor_bytes  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
+from titan.estimate.roofline import Collective  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 
 GIB = 2**30
@@ -84,6 +85,15 @@ def job_flags(case: Case, dump_folder: str) -> list[str]:
             "--training.steps", "1000", *case.flags]
 
 
+def bytes_by_dim_and_kind(collectives: list[Collective]) -> dict[str, int]:
+    """Payload bytes per "mesh-dim kind" (roofline.Collective's conventions)."""
+    totals: dict[str, int] = {}
+    for collective in collectives:
+        key = f"{collective.dim} {collective.kind}"
+        totals[key] = totals.get(key, 0) + collective.bytes
+    return totals
+
+
 def predict(world_size: int, flags: list[str]) -> dict:
     """Rank 0 of the dry run: peak bytes, collective bytes per 'dim kind', roofline step seconds."""
     from titan.estimate.report import step_estimate
@@ -91,11 +101,7 @@ def predict(world_size: int, flags: list[str]) -> dict:
 
     cfg = load_job_config([*flags, "--job.dry_run"], world_size)
     result = run_dry_run(cfg, world_size, rank=0)
-    collectives: dict[str, int] = {}
-    for collective in result.collectives:
-        key = f"{collective.dim} {collective.kind}"
-        collectives[key] = collectives.get(key, 0) + collective.bytes
-    return {"peak": result.memory.total, "collectives": collectives,
+    return {"peak": result.memory.total, "collectives": bytes_by_dim_and_kind(result.collectives),
             "step_s": step_estimate(result, cfg.estimate).step_s}
 
 
@@ -123,15 +129,12 @@ def measure(world_size: int, flags: list[str]) -> dict:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = peak_tensor_bytes(lambda: trainer.train_step(batches), *trainer.model_parts, trainer.optimizer)
-    collectives: dict[str, int] = {}
+    recorder = StepRecorder(group_infos(trainer.meshes))
     if world_size > 1:
-        recorder = StepRecorder(group_infos(trainer.meshes))
         with recorder:
             trainer.train_step(batches)
-        for collective in recorder.collectives:
-            key = f"{collective.dim} {collective.kind}"
-            collectives[key] = collectives.get(key, 0) + collective.bytes
-    return {"peak": peak, "collectives": collectives, "step_s": statistics.median(seconds) if seconds else None}
+    return {"peak": peak, "collectives": bytes_by_dim_and_kind(recorder.collectives),
+            "step_s": statistics.median(seconds) if seconds else None}
 
 
 def start_worker(role: str, case: Case, folder: Path) -> tuple[subprocess.Popen, Path]:
@@ -197,7 +200,7 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(report))
         return 0
     cases = cuda_cases() if args.cuda else cpu_cases()
-    known = {case.name: case for case in cases + cpu_cases() + cuda_cases()}
+    known = {case.name: case for case in cpu_cases() + cuda_cases()}
     unknown = [name for name in args.cases if name not in known]
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(known)}")

@@ -1,5 +1,6 @@
 """Parallel layouts on real gloo processes match one process on the same global batch."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ from titan.config.errors import ConfigError
 from titan.models.llama import ModelArgs, Transformer, cross_entropy_loss, init_weights
 from titan.parallel.ac import apply_ac, keeps_attention
 from titan.parallel.compile import apply_compile
+from titan.parallel.dims import resolve_dims
+from titan.parallel.llama import parallelize_llama
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 from torchrun import run_torchrun
@@ -308,6 +311,22 @@ def test_attention_is_kept_where_it_pays() -> None:
     assert keeps_attention(True, compiled=True, on_gpu=True)
     assert not keeps_attention(True, compiled=False, on_gpu=True)
     assert not any(keeps_attention(False, compiled, on_gpu) for compiled in (False, True) for on_gpu in (False, True))
+
+
+@pytest.mark.parametrize(("mode", "option", "says_so"), [("full", "op", True), ("selective", "2", True),
+                                                          ("selective", "op", False)])
+def test_dropping_kept_attention_is_logged(mode: str, option: str, says_so: bool,
+                                           titan_records: list[logging.LogRecord]) -> None:
+    """When the eager-GPU rule overrides --activation_checkpoint.save_attention, the log says so; selective "op"
+    AC keeps attention regardless, so there it says nothing."""
+    cfg = load_job_config(["--activation_checkpoint.mode", mode, "--activation_checkpoint.selective_ac_option", option],
+                          world_size=1)
+    with torch.device("meta"):
+        model = Transformer(SMALL_MODEL)
+    parallelize_llama(model, resolve_dims(cfg.parallelism, 1), None, cfg.parallelism, cfg.activation_checkpoint,
+                      cfg.training, cfg.compile, keep_attention=False)
+    logged = any("Checkpointed blocks recompute attention" in record.getMessage() for record in titan_records)
+    assert logged == says_so
 
 
 @pytest.mark.parametrize("save_attention", [True, False])

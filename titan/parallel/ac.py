@@ -59,13 +59,18 @@ def checkpoint_every(option: str) -> int | None:
     return None if option == "op" else int(option)
 
 
+def saves_by_op(mode: str, selective_option: str) -> bool:
+    """Selective "op" AC: every block saves by op, attention always (save_attention does not apply)."""
+    return mode == "selective" and checkpoint_every(selective_option) is None
+
+
 def apply_ac(model: nn.Module, mode: str, selective_option: str, save_attention: bool) -> None:
     """Wrap the blocks of `model.layers` in place: mode "full" checkpoints every block; "selective" with
     option "op" saves by op inside every block, with option "k" checkpoints blocks 0, k, 2k, ... With
     save_attention, full and every-k checkpointed blocks keep their SAVE_ALWAYS outputs (attention) and recompute
     the rest; without it they recompute everything."""
     every = checkpoint_every(selective_option) if mode == "selective" else 1
-    by_op = mode == "selective" and every is None
+    by_op = saves_by_op(mode, selective_option)
     # Without save_attention no context_fn at all: dynamo (torch 2.13) cannot trace an explicit noop_context_fn.
     block_kwargs = {"context_fn": partial(op_sac_context, save_matmuls=False)} if save_attention else {}
     wrapped = 0
@@ -81,5 +86,5 @@ def apply_ac(model: nn.Module, mode: str, selective_option: str, save_attention:
     elif save_attention:
         kind = "full (keeping attention outputs)"
     else:
-        kind = "full (recomputing attention too, --activation_checkpoint.save_attention false)"
+        kind = "full (recomputing attention too)"
     logger.info(f"Applied {kind} activation checkpointing to {wrapped} of {len(model.layers)} blocks")

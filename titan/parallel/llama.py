@@ -5,7 +5,7 @@ from torch import nn
 from titan.config.dtypes import to_dtype
 from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
-from titan.parallel.ac import apply_ac
+from titan.parallel.ac import apply_ac, saves_by_op
 from titan.parallel.compile import apply_compile
 from titan.parallel.dims import Meshes, ParallelDims
 from titan.parallel.fsdp import apply_fsdp
@@ -25,7 +25,7 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=keep_attention)
-        if keep_attention != ac.save_attention:
+        if keep_attention != ac.save_attention and not saves_by_op(ac.mode, ac.selective_ac_option):
             logger.info("Checkpointed blocks recompute attention: keeping it costs more than it saves in eager mode "
                         "on a GPU (--training.compile keeps it at no run-time cost).")
     else:
