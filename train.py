@@ -5,7 +5,7 @@ import sys
 
 from titan.config.check import load_job_config
 from titan.dry_run import dry_run
-from titan.exits import run_main
+from titan.exits import exit_process, run_main
 from titan.metrics.log import current_rank, init_logger
 from titan.parallel.dims import destroy_distributed
 from titan.train.trainer import Trainer
@@ -29,4 +29,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_process(main(sys.argv[1:]))

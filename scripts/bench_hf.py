@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from titan.checkpoint.hf import hf_shapes, titan_shapes  # noqa: E402
 from titan.checkpoint.hf_io import read_hf_weights, save_hf  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer  # noqa: E402
+from titan.exits import exit_process  # noqa: E402
 from titan.models.llama.args import ModelArgs  # noqa: E402
 from titan.models.llama.init import init_weights  # noqa: E402
 from titan.models.llama.model import Transformer  # noqa: E402
@@ -223,3 +224,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -85,7 +85,7 @@ from tests.reference.rope_ref import complex_rope  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
-from titan.exits import run_main  # noqa: E402
+from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
 from titan.models.llama.model import expand_kv_heads  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
@@ -641,4 +641,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

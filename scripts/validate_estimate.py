@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from bench_common import peak_tensor_bytes  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.estimate.roofline import Collective  # noqa: E402
+from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 
 GIB = 2**30
@@ -108,6 +109,7 @@ def predict(world_size: int, flags: list[str]) -> dict:
 def measure(world_size: int, flags: list[str]) -> dict:
     """The real job's rank 0: peak bytes of one step, collective bytes of one step, median step seconds."""
     from titan.estimate.trace import StepRecorder
+    from titan.parallel.dims import destroy_distributed
     from titan.train.dry_run import group_infos
     from titan.train.trainer import Trainer
 
@@ -133,6 +135,7 @@ def measure(world_size: int, flags: list[str]) -> dict:
     if world_size > 1:
         with recorder:
             trainer.train_step(batches)
+    destroy_distributed(wait_for_peers=True)
     return {"peak": peak, "collectives": bytes_by_dim_and_kind(recorder.collectives),
             "step_s": statistics.median(seconds) if seconds else None}
 
@@ -225,4 +228,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

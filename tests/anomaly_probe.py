@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
-from titan.exits import run_main  # noqa: E402
+from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -38,5 +38,5 @@ def train(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(lambda: train(sys.argv[1:]),
-                      on_exit=lambda ranks_agree: destroy_distributed(wait_for_peers=ranks_agree)))
+    exit_process(run_main(lambda: train(sys.argv[1:]),
+                          on_exit=lambda ranks_agree: destroy_distributed(wait_for_peers=ranks_agree)))

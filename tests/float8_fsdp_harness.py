@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titan.exits import exit_process  # noqa: E402
 from titan.quant.float8.fsdp import (  # noqa: E402
     Float8AllGatherWeight, apply_float8_all_gather, precompute_float8_scales,
 )
@@ -210,3 +211,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

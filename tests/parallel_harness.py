@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
+from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
@@ -88,3 +89,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

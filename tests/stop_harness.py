@@ -21,6 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import train  # noqa: E402
+from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import current_rank  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
@@ -63,4 +64,4 @@ if __name__ == "__main__":
     if "TITAN_TEST_ACTION" in os.environ:
         at_step, at_rank, what = os.environ["TITAN_TEST_ACTION"].split(":")
         install(int(at_step), int(at_rank), what)
-    sys.exit(train.main(sys.argv[1:]))
+    exit_process(train.main(sys.argv[1:]))

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
+from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import MESH_DIMS, destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -63,3 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)
