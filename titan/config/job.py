@@ -293,9 +293,9 @@ class ActivationCheckpoint:
 class Float8:
     recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     """Scale granularity (torchao's recipes): tensorwise, one scale per tensor (fastest); rowwise, one power-of-2
-    scale per row of each operand (more accurate, slower); rowwise_with_gw_hp, per-row scales without power-of-2
-    rounding, one scale for the weight in grad_input, and the weight-gradient matmul in high precision (most
-    accurate). Per-operand table: docs/float8.md."""
+    scale per row of each operand (more accurate, slower); rowwise_with_gw_hp, power-of-2 scales per row, one
+    for the weight in grad_input, and the weight-gradient matmul in high precision (most accurate). Per-operand
+    table: docs/float8.md."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
     output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""

@@ -52,13 +52,15 @@ class Recipe:
 TENSORWISE_E4M3 = OperandCast(E4M3, "tensorwise", power_of_2=False)
 """Also the cast of FSDP's float8 all-gather, which recipes casting the weight this way in both its matmuls allow."""
 TENSORWISE_E5M2 = OperandCast(E5M2, "tensorwise", power_of_2=False)
-AXISWISE_E4M3 = OperandCast(E4M3, "axiswise", power_of_2=False)
+TENSORWISE_E4M3_POWER_OF_2 = OperandCast(E4M3, "tensorwise", power_of_2=True)
 AXISWISE_E4M3_POWER_OF_2 = OperandCast(E4M3, "axiswise", power_of_2=True)
 
 # torchao's recipes: Float8LinearConfig.from_recipe_name in torchao/float8/config.py (pytorch/ao), with the defaults
-# that Float8LinearConfig.__post_init__ fills in: e4m3 for input and weight, e5m2 for grad_output, and
-# round_scales_to_power_of_2 off (only rowwise turns it on). torchao/float8/float8_linear.py takes every axiswise
-# scale along the matmul's contraction dim.
+# that Float8LinearConfig.__post_init__ fills in: e4m3 for input and weight, e5m2 for grad_output. Its
+# round_scales_to_power_of_2 is one flag for the whole linear, off by default; rowwise and rowwise_with_gw_hp turn it
+# on, so it applies to every float8 cast of those recipes, gw_hp's tensorwise weight scale included.
+# torchao/float8/float8_linear.py takes every axiswise scale along the matmul's contraction dim.
+# tests/test_float8_torchao.py checks this table against torchao itself.
 RECIPES = {
     "tensorwise": Recipe("tensorwise",
                          output=(TENSORWISE_E4M3, TENSORWISE_E4M3),
@@ -69,8 +71,8 @@ RECIPES = {
                       grad_input=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2),
                       grad_weight=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2)),
     "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp",
-                                 output=(AXISWISE_E4M3, AXISWISE_E4M3),
-                                 grad_input=(AXISWISE_E4M3, TENSORWISE_E4M3),
+                                 output=(AXISWISE_E4M3_POWER_OF_2, AXISWISE_E4M3_POWER_OF_2),
+                                 grad_input=(AXISWISE_E4M3_POWER_OF_2, TENSORWISE_E4M3_POWER_OF_2),
                                  grad_weight=None),
 }
 
