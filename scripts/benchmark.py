@@ -89,7 +89,7 @@ from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
 from titan.models.llama.model import expand_kv_heads  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
-from titan.parallel.stages import ideal_bubble_fraction  # noqa: E402
+from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 PIPELINE_SCHEDULES = get_args(get_type_hints(Parallelism)["pipeline_parallel_schedule"])
@@ -129,17 +129,16 @@ def timed_train_steps(trainer: Trainer, data_iterator: Iterator, steps: int) -> 
 def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
     """A minimal training step on the trainer's own model, loss and optimizer (forward, loss, backward, clip,
     step), without the trainer's data loading, guards and metering: what is left is the trainer's overhead."""
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    params = [p for p in trainer.training.model.parameters() if p.requires_grad]
     max_norm = trainer.cfg.training.max_norm
-    vocab_size = trainer.model_args.vocab_size
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        trainer.optimizer.zero_grad()
-        with trainer.autocast():
-            logits = trainer.model(inputs)
-        trainer.loss_fn(logits, labels, vocab_size).backward()
+        trainer.training.optimizer.zero_grad()
+        with trainer.training.autocast():
+            logits = trainer.training.model(inputs)
+        trainer.training.loss_fn(logits, labels).backward()
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        trainer.optimizer.step()
+        trainer.training.optimizer.step()
 
     return step
 
@@ -195,8 +194,8 @@ def measure_rank_memory(args: argparse.Namespace, argv: list[str]) -> None:
     trainer = Trainer(load_job_config([*argv, "--parallelism.data_parallel_shard_degree", str(world_size)],
                                       world_size), world_size)
     seconds = time_titan(trainer, args.warmup, args.steps) if args.steps else 0.0
-    param_bytes = sum(local_bytes(p) for p in trainer.model.parameters())
-    state_bytes = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
+    param_bytes = sum(local_bytes(p) for p in trainer.training.model.parameters())
+    state_bytes = sum(local_bytes(v) for state in trainer.training.optimizer.state.values() for v in state.values()
                       if torch.is_tensor(v) and v.dim() > 0)
     t = trainer.cfg.training
     tps = t.local_batch_size * t.seq_len * args.steps / seconds if seconds else 0.0
@@ -304,11 +303,12 @@ class PipelineIdleClock:
 def time_pipeline_steps(trainer: Trainer, warmup: int, steps: int) -> tuple[list[float], list[float]]:
     """Seconds of `steps` train steps after `warmup` untimed ones, and the share of each step's pipelined
     forward-backward this rank idled."""
-    clock = PipelineIdleClock(trainer.schedule.step, trainer.meshes.pp.get_group())
+    schedule = trainer.training.model_parts.pipeline.schedule
+    clock = PipelineIdleClock(schedule.step, trainer.training.meshes.pp.get_group())
     data_iterator = iter(trainer.dataloader)
     step_seconds, idle_shares = [], []
     with (patch.object(schedules, "_wait_batch_p2p", clock.timed_wait),
-          patch.object(trainer.schedule, "step", clock.aligned_step)):
+          patch.object(schedule, "step", clock.aligned_step)):
         for step in range(warmup + steps):
             clock.span = clock.idle = 0.0
             start = time.perf_counter()
@@ -332,9 +332,10 @@ def measure_pipeline_rank(rank: int, port: int, cfg: JobConfig, warmup: int, ste
     trainer = Trainer(cfg, PIPELINE_RANKS)
     step_seconds, idle_shares = time_pipeline_steps(trainer, warmup, steps)
     rank_idle: list[float] = [0.0] * PIPELINE_RANKS
-    dist.all_gather_object(rank_idle, statistics.median(idle_shares), group=trainer.meshes.pp.get_group())
+    dist.all_gather_object(rank_idle, statistics.median(idle_shares), group=trainer.training.meshes.pp.get_group())
     schedule = trainer.cfg.parallelism.pipeline_parallel_schedule
-    ideal = ideal_bubble_fraction(schedule, PIPELINE_RANKS, len(trainer.stage_ids), trainer.num_microbatches)
+    ideal = ideal_bubble_fraction(schedule, PIPELINE_RANKS, len(trainer.training.model_parts.pipeline.stage_ids),
+                                  trainer.training.model_parts.pipeline.num_microbatches)
     if rank == 0:
         results.put((statistics.median(step_seconds), ideal, rank_idle))
     destroy_distributed(wait_for_peers=True)
@@ -380,7 +381,7 @@ def per_step_check_seconds(argv: list[str], calls: int) -> float:
     """Seconds of one step boundary's checks on one process: Stopper.start_step + end_step (signal and time-limit
     agreement, step times, watchdog deadlines) and AnomalyGuard.inspect (non-finite and spike guard)."""
     trainer = Trainer(load_job_config([*argv, "--job.dump_folder", "/tmp/titan_benchmark_production"], 1), 1)
-    with trainer.stopper.watching(trainer.meshes):
+    with trainer.stopper.watching(trainer.training.meshes):
         start = time.perf_counter()
         for step in range(1, calls + 1):
             trainer.stopper.start_step(step)
@@ -535,7 +536,7 @@ class Contender:
             return
         with self.patched():
             self.peak_bytes = peak_tensor_bytes(lambda: timed_train_steps(self.trainer, self.data_iterator, 1),
-                                                *self.trainer.model_parts, self.trainer.optimizer)
+                                                *self.trainer.training.model_parts.parts, self.trainer.training.optimizer)
 
 
 def ablation_contenders() -> list[Contender]:
@@ -574,7 +575,7 @@ def ablation_table(args: argparse.Namespace, argv: list[str]) -> None:
     for contender in contenders:
         contender.measure_peak()
     base = contenders[0]
-    t, vocab = base.trainer.cfg.training, base.trainer.model_args.vocab_size
+    t, vocab = base.trainer.cfg.training, base.trainer.training.model_parts.args.vocab_size
     tokens = t.local_batch_size * t.seq_len * args.steps
     compared = min(ABLATION_LOSS_STEPS, len(base.losses))
     print(f"{base.trainer.cfg.model.flavor}, vocab {vocab}, {t.local_batch_size} x {t.seq_len} tokens, "

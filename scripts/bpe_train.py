@@ -1,4 +1,5 @@
-"""Train a byte-level BPE tokenizer (Llama 3 pre-tokenization) and write it in tiktoken format.
+"""Train a byte-level BPE tokenizer (Llama 3 pre-tokenization) and write it in tiktoken format: offline tooling
+for scripts/train_tokenizer.py, kept out of the titan package that training imports.
 
 Text is split by LLAMA3_SPLIT_PATTERN and each distinct chunk is counted once, so the merge loop runs over the
 table of unique chunks, not the corpus. Pair counts are kept up to date incrementally: a merge only revisits

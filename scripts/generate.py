@@ -58,7 +58,7 @@ def build_model(args: ModelArgs, state_dict: dict[str, Tensor], device: torch.de
         model = Transformer(args)
     model.load_state_dict({fqn: tensor.to(device, torch.float32) for fqn, tensor in state_dict.items()}, assign=True)
     with torch.device(device):
-        model.rope_cache = precompute_rope_cache(args)
+        model.rope.cache = precompute_rope_cache(args)
     return model.eval()
 
 

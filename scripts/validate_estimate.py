@@ -5,7 +5,7 @@
     python scripts/validate_estimate.py --check debug-fsdp2 debug-tp2   # some cases; exit 1 past the tolerance
 
 Each case is a Titan job at a world size. Its prediction is rank 0 of a fake-tensor dry run at that world size
-(titan/train/dry_run.py, in a process of its own); its measurement is rank 0 of the same job run for real, after
+(titan/estimate/simulate.py, in a process of its own); its measurement is rank 0 of the same job run for real, after
 two steps that create the optimizer state and warm the caches:
 - peak memory of one step, in tensor bytes: on CPU, torch's MemTracker (every storage the dispatcher sees, with the
   model and optimizer registered before the step, no allocator caching; not RSS); on CUDA,
@@ -15,7 +15,10 @@ two steps that create the optimizer state and warm the caches:
   run's traffic; the byte conventions themselves are checked by hand arithmetic in tests/test_dry_run.py).
 - on CUDA also the median step time against the roofline estimate for --estimate.gpu (an optimistic bound by
   design: it ranks layouts, and the table says by how much it undershoots).
---check fails a case whose peak is off by more than --tolerance (default 10%) or whose collective bytes differ."""
+--check fails a case whose peak is off by more than --tolerance (default 10%), whose collective bytes differ, or, on
+CUDA, whose predicted step time is off the measured one by more than --step-tolerance (default 30%: the roofline
+leaves out host and launch overhead, which a small eager model's step is bound by; it measured 2% under on the 1B
+cases and 26% under on 100M, docs/scale.md)."""
 
 import argparse
 import json
@@ -98,7 +101,7 @@ def bytes_by_dim_and_kind(collectives: list[Collective]) -> dict[str, int]:
 def predict(world_size: int, flags: list[str]) -> dict:
     """Rank 0 of the dry run: peak bytes, collective bytes per 'dim kind', roofline step seconds."""
     from titan.estimate.report import step_estimate
-    from titan.train.dry_run import run_dry_run
+    from titan.estimate.simulate import run_dry_run
 
     cfg = load_job_config([*flags, "--job.dry_run"], world_size)
     result = run_dry_run(cfg, world_size, rank=0)
@@ -110,7 +113,7 @@ def measure(world_size: int, flags: list[str]) -> dict:
     """The real job's rank 0: peak bytes of one step, collective bytes of one step, median step seconds."""
     from titan.estimate.trace import StepRecorder
     from titan.parallel.dims import destroy_distributed
-    from titan.train.dry_run import group_infos
+    from titan.estimate.simulate import group_infos
     from titan.train.trainer import Trainer
 
     trainer = Trainer(load_job_config(flags, world_size), world_size)
@@ -130,8 +133,9 @@ def measure(world_size: int, flags: list[str]) -> dict:
         trainer.train_step(batches)
         peak = torch.cuda.max_memory_allocated()
     else:
-        peak = peak_tensor_bytes(lambda: trainer.train_step(batches), *trainer.model_parts, trainer.optimizer)
-    recorder = StepRecorder(group_infos(trainer.meshes))
+        peak = peak_tensor_bytes(lambda: trainer.train_step(batches), *trainer.training.model_parts.parts,
+                                 trainer.training.optimizer)
+    recorder = StepRecorder(group_infos(trainer.training.meshes))
     if world_size > 1:
         with recorder:
             trainer.train_step(batches)
@@ -163,13 +167,19 @@ def finish_worker(case: Case, role: str, process: subprocess.Popen, out: Path) -
     return json.loads(out.read_text())
 
 
-def compare(case: Case, predicted: dict, measured: dict, tolerance: float) -> tuple[str, list[str]]:
+def compare(case: Case, predicted: dict, measured: dict, tolerance: float, step_tolerance: float
+            ) -> tuple[str, list[str]]:
     """One table row, and the problems --check reports."""
     error = predicted["peak"] / measured["peak"] - 1
     problems = []
     if abs(error) > tolerance:
         problems.append(f"{case.name}: predicted peak {predicted['peak'] / GIB:.3f} GiB is {100 * error:+.1f}% off "
                         f"the measured {measured['peak'] / GIB:.3f} GiB (tolerance {100 * tolerance:.0f}%).")
+    step_error = predicted["step_s"] / measured["step_s"] - 1 if measured["step_s"] is not None else 0.0
+    if abs(step_error) > step_tolerance:
+        problems.append(f"{case.name}: predicted step time {1e3 * predicted['step_s']:.1f} ms is "
+                        f"{100 * step_error:+.1f}% off the measured {1e3 * measured['step_s']:.1f} ms (tolerance "
+                        f"{100 * step_tolerance:.0f}%).")
     if measured["collectives"] != predicted["collectives"]:
         problems.append(f"{case.name}: collective bytes per step differ: predicted {predicted['collectives']}, "
                         f"measured {measured['collectives']}.")
@@ -190,6 +200,8 @@ def main() -> int:
     parser.add_argument("--cuda", action="store_true", help="the one-GPU cases (peak and step time)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a case is past the tolerance")
     parser.add_argument("--tolerance", type=float, default=0.10, help="largest relative peak error for --check")
+    parser.add_argument("--step-tolerance", type=float, default=0.30,
+                        help="largest relative step-time error for --check, on CUDA (where step times are measured)")
     parser.add_argument("--worker", choices=["predict", "measure"], help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
@@ -218,12 +230,13 @@ def main() -> int:
         predicted = [finish_worker(case, "predict", *started) for case, started in zip(cases, predictions)]
         for case, prediction in zip(cases, predicted):
             measured = finish_worker(case, "measure", *start_worker("measure", case, Path(tmp)))
-            row, found = compare(case, prediction, measured, args.tolerance)
+            row, found = compare(case, prediction, measured, args.tolerance, args.step_tolerance)
             print(row, flush=True)
             rows.append(row)
             problems += found
     print("\n".join(rows))
-    print("\n".join(problems) if problems else f"All {len(cases)} cases within {100 * args.tolerance:.0f}%.")
+    within = f"{100 * args.tolerance:.0f}%" + (f", step time {100 * args.step_tolerance:.0f}%" if args.cuda else "")
+    print("\n".join(problems) if problems else f"All {len(cases)} cases within {within}.")
     return 1 if args.check and problems else 0
 
 

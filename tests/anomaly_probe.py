@@ -27,13 +27,13 @@ def train(argv: list[str]) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(load_job_config(argv, world_size), world_size)
     nan_steps = {int(step) for step in os.environ["NAN_STEPS"].split(",")}
-    real_loss = trainer.loss_fn
+    real_loss = trainer.training.loss_fn
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        loss = real_loss(logits, labels, vocab_size)
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = real_loss(logits, labels)
         return loss * float("nan") if trainer.step in nan_steps else loss
 
-    trainer.loss_fn = loss_fn
+    trainer.training.loss_fn = loss_fn
     trainer.run()
 
 

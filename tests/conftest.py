@@ -1,11 +1,16 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the session's exit status when run_torchrun had to rerun a launch."""
 
 import logging
+import warnings
 from collections.abc import Iterator
 
 import pytest
 
 from titan.metrics.log import logger
+from torchrun import GlooAbortRerun
+
+RERUN_TESTS: list[str] = []
+"""The tests in which run_torchrun reran a launch that gloo aborted (a GlooAbortRerun warning)."""
 
 
 @pytest.fixture
@@ -25,3 +30,24 @@ def titan_records() -> Iterator[list[logging.LogRecord]]:
     yield records
     logger.removeHandler(handler)
     logger.setLevel(previous_level)
+
+
+def pytest_warning_recorded(warning_message: warnings.WarningMessage, when: str, nodeid: str,
+                            location: tuple[str, int, str] | None) -> None:
+    if issubclass(warning_message.category, GlooAbortRerun):
+        RERUN_TESTS.append(nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A rerun launch may have hidden an intermittent crash, so a session with one fails even when every test
+    passed; each test still reports its own result."""
+    if RERUN_TESTS and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if RERUN_TESTS:
+        terminalreporter.section("gloo abort reruns", red=True)
+        for nodeid in RERUN_TESTS:
+            terminalreporter.write_line(f"{nodeid}: run_torchrun reran a launch that gloo aborted; the session fails "
+                                        f"so that an intermittent crash cannot pass unseen (see tests/torchrun.py).")

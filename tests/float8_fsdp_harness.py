@@ -24,13 +24,13 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titan.exits import exit_process  # noqa: E402
 from titan.quant.float8.fsdp import (  # noqa: E402
     Float8AllGatherWeight, apply_float8_all_gather, precompute_float8_scales,
 )
 from titan.quant.float8.gathered import Float8GatheredWeight  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
+from torchrun import finish_rank  # noqa: E402
 
 STEPS = 4
 BATCH = 16
@@ -211,4 +211,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)
+    finish_rank()

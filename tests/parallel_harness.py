@@ -20,11 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
-from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from torchrun import finish_rank  # noqa: E402
 
 
 class AllGatherBytes(TorchDispatchMode):
@@ -48,10 +48,10 @@ def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
     so the forward gathers each of them once."""
     counter = AllGatherBytes()
     with torch.no_grad(), counter:
-        trainer.model(inputs.to(trainer.device))
+        trainer.training.model(inputs.to(trainer.device))
     return {"all_gather_bytes": counter.num_bytes,
-            "parameter_shapes": {name: tuple(p.shape) for name, p in trainer.model.named_parameters()},
-            "float8_linear_fqns": sorted(fqn for fqn, module in trainer.model.named_modules()
+            "parameter_shapes": {name: tuple(p.shape) for name, p in trainer.training.model.named_parameters()},
+            "float8_linear_fqns": sorted(fqn for fqn, module in trainer.training.model.named_modules()
                                          if isinstance(module, Float8Linear))}
 
 
@@ -66,15 +66,16 @@ def main() -> None:
         trainer.step += 1
         losses.append(trainer.train_step(data)[0])
     if world_size == 1:
-        weights = {name: value.detach().cpu() for name, value in trainer.model.state_dict().items()}
+        weights = {name: value.detach().cpu() for name, value in trainer.training.model.state_dict().items()}
     elif trainer.dims.pp_enabled:
         # Each pipeline rank holds its stages' weights: gather every rank's full tensors and merge them.
-        own = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+        own = get_model_state_dict(trainer.training.model, options=StateDictOptions(full_state_dict=True))
         shares: list[dict] = [{} for _ in range(world_size)]
         dist.all_gather_object(shares, {name: value.detach().cpu() for name, value in own.items()})
         weights = {name: value for share in shares for name, value in share.items()}
     else:
-        weights = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = get_model_state_dict(trainer.training.model,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     result = {"losses": losses, "weights": weights}
     if trainer.validation_batches is not None:
         # Evaluation under the same layout: the held-out loss of the trained weights, the same on every layout.
@@ -89,4 +90,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)
+    finish_rank()

@@ -71,7 +71,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def optimizer_steps(trainer: Trainer) -> int:
-    return int(trainer.optimizer.state[next(trainer.model.parameters())]["step"].item())
+    return int(trainer.training.optimizer.state[next(trainer.training.model.parameters())]["step"].item())
 
 
 def warnings_of(records: list[logging.LogRecord]) -> list[str]:
@@ -80,13 +80,13 @@ def warnings_of(records: list[logging.LogRecord]) -> list[str]:
 
 def nan_at(trainer: Trainer, steps: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss is NaN at `steps`, as in a diverging run."""
-    real_loss = trainer.loss_fn
+    real_loss = trainer.training.loss_fn
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        loss = real_loss(logits, labels, vocab_size)
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss = real_loss(logits, labels)
         return loss * float("nan") if trainer.step in steps else loss
 
-    monkeypatch.setattr(trainer, "loss_fn", loss_fn)
+    monkeypatch.setattr(trainer.training, "loss_fn", loss_fn)
 
 
 def test_spike_detector_uses_median_and_floored_mad() -> None:
@@ -128,7 +128,7 @@ def test_nonfinite_steps_are_skipped_until_max_skipped_steps(tmp_path: Path, mon
     assert len(set(positions)) == 3, positions  # each skipped step consumed its batch
     assert warnings_of(titan_records) == ["Skipped step 3: loss is nan (1 of 2 allowed skips)",
                                           "Skipped step 5: loss is nan (2 of 2 allowed skips)"]
-    assert optimizer_steps(trainer) == 4 and trainer.lr_scheduler.last_epoch == 4  # steps 1, 2, 4, 6
+    assert optimizer_steps(trainer) == 4 and trainer.training.lr_scheduler.last_epoch == 4  # steps 1, 2, 4, 6
     lrs = {r["step"]: r["lr"] for r in read_jsonl(tmp_path / "metrics.jsonl")}
     assert lrs[4] == lrs[3] and lrs[6] == lrs[5] != lrs[4]  # the schedule waits on a skipped step
 

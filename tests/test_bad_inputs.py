@@ -2,7 +2,8 @@
 variable or path to fix, and no traceback.
 
 Flag, TOML, file and checkpoint mistakes run train.py's main() in this process (the same handler a rank runs);
-launcher environment mistakes and a rank-dependent data mistake run ./run_train.sh for real.
+launcher environment mistakes, one mistake of each kind and a rank-dependent data mistake run ./run_train.sh for
+real.
 """
 
 import dataclasses
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan.config.domain import field_ranges
 from titan.config.job import JobConfig
@@ -37,12 +39,18 @@ TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--train
 @dataclass
 class Case:
     """Arguments (where "{tmp}" is the test's folder), files to create there first, and the text the message must
-    hold. `world_size` is the WORLD_SIZE the run sees (only validation runs, so no process group is needed)."""
+    hold. `world_size` is the WORLD_SIZE the run sees (only validation runs, so no process group is needed);
+    `marks` are the case's pytest marks."""
 
     args: list[str]
     expected: str
     files: dict[str, bytes] = field(default_factory=dict)
     world_size: int = 1
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+
+
+WITHOUT_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="the mistake is asking for a GPU feature on a "
+                                                                   "machine without a CUDA GPU; this one has one")
 
 
 def jsonl(*texts: str) -> bytes:
@@ -159,7 +167,8 @@ CASES: dict[str, Case] = {
     "log_freq_zero": flag("metrics.log_freq", "0"),
     "tensorboard_with_value": Case(["--metrics.enable_tensorboard", "maybe"], "--metrics.enable_tensorboard"),
     "profile_freq_zero": flag("profiling.profile_freq", "0"),
-    "memory_snapshot_without_cuda": Case(["--profiling.enable_memory_snapshot"], "--profiling.enable_memory_snapshot"),
+    "memory_snapshot_without_cuda": Case(["--profiling.enable_memory_snapshot"], "--profiling.enable_memory_snapshot",
+                                         marks=(WITHOUT_GPU,)),
     "init_timeout_zero": flag("comm.init_timeout_seconds", "0"),
     "train_timeout_negative": flag("comm.train_timeout_seconds", "-5"),
     # [parallelism] and [activation_checkpoint]
@@ -223,7 +232,7 @@ CASES: dict[str, Case] = {
     "float8_precompute_alone": flag("float8.precompute_float8_dynamic_scale_for_fsdp", "true"),
     "float8_emulate_with_value": Case(["--float8.emulate", "2"], "--float8.emulate"),
     "mx_recipe_unknown": flag("mx.recipe_name", "mxfp4"),
-    "mx_without_emulate_on_cpu": Case(["--model.converters", "mx"], "--mx.emulate"),
+    "mx_without_emulate_on_cpu": Case(["--model.converters", "mx"], "--mx.emulate", marks=(WITHOUT_GPU,)),
     "mx_filter_typo": Case(["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns", "ouput"],
                            "--mx.filter_fqns 'ouput'"),
     "float8_and_mx_overlap": Case(["--model.converters", "float8,mx", "--float8.emulate", "--mx.emulate"],
@@ -234,7 +243,8 @@ CASES: dict[str, Case] = {
     "keep_latest_negative": flag("checkpoint.keep_latest_k", "-1"),
     "load_step_minus_two": flag("checkpoint.load_step", "-2"),
     "exclude_unknown_part": Case(["--checkpoint.exclude_from_loading", "weights"], "--checkpoint.exclude_from_loading"),
-    "pinned_memory_without_cuda": flag("checkpoint.async_mode", "async_with_pinned_mem"),
+    "pinned_memory_without_cuda": Case(["--checkpoint.async_mode", "async_with_pinned_mem"], "--checkpoint.async_mode",
+                                       marks=(WITHOUT_GPU,)),
     "async_mode_unknown": flag("checkpoint.async_mode", "threads"),
     "export_dtype_unknown": flag("checkpoint.export_dtype", "int8"),
     "seed_checkpoint_without_enable": Case(["--checkpoint.create_seed_checkpoint"], "--checkpoint.create_seed_checkpoint"),
@@ -269,11 +279,8 @@ def run_in_process(argv: list[str], world_size: int, monkeypatch: pytest.MonkeyP
     return code, captured.out + captured.err + "\n".join(record.getMessage() for record in records)
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_exits_2_naming_the_field(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str],
-                                            titan_records: list[logging.LogRecord]) -> None:
-    case = CASES[name]
+def case_argv(case: Case, tmp_path: Path) -> list[str]:
+    """Write the case's files to `tmp_path` and return its arguments, after TINY and with a dump folder there."""
     for relative, content in case.files.items():
         (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / relative).write_bytes(content)
@@ -281,10 +288,37 @@ def test_bad_input_exits_2_naming_the_field(name: str, tmp_path: Path, monkeypat
     argv = [*TINY, *(arg.replace("{tmp}", str(tmp_path)) for arg in case.args)]
     if "--job.dump_folder" not in argv:
         argv += ["--job.dump_folder", str(tmp_path / "out")]
-    code, output = run_in_process(argv, case.world_size, monkeypatch, capsys, titan_records)
+    return argv
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=CASES[name].marks) for name in sorted(CASES)])
+def test_bad_input_exits_2_naming_the_field(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str],
+                                            titan_records: list[logging.LogRecord]) -> None:
+    case = CASES[name]
+    code, output = run_in_process(case_argv(case, tmp_path), case.world_size, monkeypatch, capsys, titan_records)
     assert code == 2, output
     assert case.expected in output, output
     assert "Traceback" not in output, output
+
+
+# One case of each kind of mistake, as a user meets it through ./run_train.sh: a flag tyro can't parse and a value
+# validation rejects stop in the launcher (titan/launch.py) before any rank starts; a tokenizer or checkpoint that
+# can't be read stops the rank, under torchrun, and the launcher passes its code on. The rank-time data mistake is
+# test_data_mistake_stops_every_rank_quietly's. Name -> whether a rank stops (rather than the launcher).
+LAUNCHED_CASES = {"steps_not_int": False, "lr_negative": False, "tokenizer_garbage": True,
+                  "load_step_without_checkpoint": True}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHED_CASES))
+def test_bad_input_through_run_train_sh_exits_2_naming_the_field(name: str, tmp_path: Path) -> None:
+    case = CASES[name]
+    result = run_train(*case_argv(case, tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert case.expected in output, output
+    assert "Traceback" not in output, output
+    assert ("Rank 0 exited with code 2" in output) == LAUNCHED_CASES[name], output
 
 
 def test_every_problem_is_listed_at_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -374,16 +408,18 @@ def test_launcher_environment_mistakes_exit_2(name: str, tmp_path: Path) -> None
     assert not (tmp_path / "config.toml").exists()
 
 
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="NGPU=2 gives each rank its own GPU; this machine has one")
 def test_data_mistake_stops_every_rank_quietly(tmp_path: Path) -> None:
     """Every rank reads the whole (global) stream, so every rank finds the data empty and stops with the same
-    message, exit code 2 and no traceback."""
+    message naming the flag, exit code 2 and no traceback."""
     (tmp_path / "d.jsonl").write_bytes(jsonl("", ""))
     result = run_train("--training.dataset", "jsonl", "--training.dataset_path", str(tmp_path / "d.jsonl"),
                        "--training.seq_len", "32", "--training.steps", "2", "--job.dump_folder", str(tmp_path / "out"),
                        env={"NGPU": "2", "LOG_RANK": "0,1"})
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
-    assert "has no documents with text. Point it at non-empty data." in output, output
+    assert (f"--training.dataset_path {str(tmp_path / 'd.jsonl')!r} has no documents with text. Point it at "
+            f"non-empty data.") in output, output
     assert re.search(r"Rank [01] exited with code 2", output), output
     assert "Traceback" not in output, output
 

@@ -172,10 +172,10 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
     argv = ["--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(tmp_path),
             "--training.local_batch_size", str(LOCAL_BATCH_SIZE * dp_degree)]
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
-    trainer.model.load_state_dict(weights)
+    trainer.training.model.load_state_dict(weights)
     inputs, labels = next(iter(trainer.dataloader))
     with torch.no_grad():
-        return trainer.loss_fn(trainer.model(inputs), labels, trainer.model_args.vocab_size).item()
+        return trainer.training.loss_fn(trainer.training.model(inputs), labels).item()
 
 
 @pytest.mark.parametrize("nprocs, dp_degree, flags", [

@@ -1,24 +1,26 @@
-"""Context parallel: the head-tail sharding matches torch's, and causal attention over sequence shards (2 gloo
-ranks, both rotate methods, eager and compiled) equals single-process attention over the whole sequence,
-forward and gradients."""
+"""Context parallel: the head-tail sharding matches torch's, causal attention over sequence shards (2 gloo ranks,
+both rotate methods, eager and compiled) equals single-process attention over the whole sequence, forward and
+gradients, and a model that apply_cp changed gives each rank its rows of the whole model's logits."""
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
+from titan.models.llama.args import ModelArgs
+from titan.models.llama.init import init_weights
+from titan.models.llama.model import CausalAttention, Transformer
 from titan.parallel.cp import (
     ROTATE_METHODS,
-    context_parallel_attention,
+    ContextParallelAttention,
+    apply_cp,
     describe_cp_path,
+    shard_batch,
     shard_sequence,
     unshard_sequence,
     uses_torch_context_parallel,
@@ -30,6 +32,7 @@ BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 # fp32 on both sides; the sharded paths sum the same products in another order (and the ring merges blocks
 # through their log-sum-exps), so they differ from the full kernel by rounding only.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+MODEL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=64)
 
 
 @pytest.mark.parametrize("cp_degree", [2, 4])
@@ -60,17 +63,15 @@ def init_cp_mesh(rank: int, folder: str) -> DeviceMesh:
 
 
 def attention_inputs() -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """q, k, v (bs, heads, seq, head_dim) with k/v repeated from KV_HEADS as the model's GQA does, and the
-    weights of the loss; the same on every rank (fixed seed)."""
+    """q (bs, heads, seq, head_dim), k and v with KV_HEADS grouped heads as the model passes them, and the weights
+    of the loss; the same on every rank (fixed seed)."""
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator)
-    key, value = torch.randn(2, BATCH, KV_HEADS, SEQ, HEAD_DIM, generator=generator).repeat_interleave(
-        HEADS // KV_HEADS, dim=2)
+    key, value = torch.randn(2, BATCH, KV_HEADS, SEQ, HEAD_DIM, generator=generator)
     return query, key, value, torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator)
 
 
-def output_and_grads(attend: Callable[[Tensor, Tensor, Tensor], Tensor], query: Tensor, key: Tensor,
-                     value: Tensor, loss_weights: Tensor) -> list[Tensor]:
+def output_and_grads(attend: nn.Module, query: Tensor, key: Tensor, value: Tensor, loss_weights: Tensor) -> list[Tensor]:
     """attend's output and the gradients of a weighted sum of it for q, k and v."""
     inputs = [x.detach().requires_grad_() for x in (query, key, value)]
     out = attend(*inputs)
@@ -78,74 +79,75 @@ def output_and_grads(attend: Callable[[Tensor, Tensor, Tensor], Tensor], query: 
     return [out.detach()] + [x.grad for x in inputs]  # type: ignore[misc]
 
 
-def causal_sdpa(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
-    """The model's attention call; looked up at call time, so the context's patch applies."""
-    return F.scaled_dot_product_attention(query, key, value, is_causal=True)
-
-
-def check_sharded_attention(rank: int, folder: str) -> None:
-    """On each rank: sharded attention, unsharded, equals full causal attention, forward and gradients, for each
-    rotate method eagerly and for allgather inside a compiled function first called within the context.
-    One spawn for all three, since starting two ranks costs more than the checks."""
-    mesh = init_cp_mesh(rank, folder)
+def check_sharded_attention(mesh: DeviceMesh) -> None:
+    """Sharded attention, unsharded, equals full causal attention, forward and gradients, for each rotate method
+    eagerly and for allgather compiled."""
+    rank = mesh.get_local_rank()
     query, key, value, loss_weights = attention_inputs()
-    want = output_and_grads(causal_sdpa, query, key, value, loss_weights)
+    want = output_and_grads(CausalAttention(), query, key, value, loss_weights)
     shards = [shard_sequence(x, 2, rank, CP) for x in (query, key, value, loss_weights)]
-    cases = [(method, "eager", causal_sdpa) for method in ROTATE_METHODS]
-    cases.append(("allgather", "compiled", torch.compile(causal_sdpa, fullgraph=True)))
+    cases = [(method, "eager", ContextParallelAttention(mesh, method)) for method in ROTATE_METHODS]
+    compiled = ContextParallelAttention(mesh, "allgather")
+    compiled.compile(fullgraph=True)
+    cases.append(("allgather", "compiled", compiled))
     for rotate_method, mode, attend in cases:
-        with context_parallel_attention(mesh, rotate_method):
-            got = output_and_grads(attend, *shards)
+        got = output_and_grads(attend, *shards)
         for name, got_shard, want_full in zip(("output", "query grad", "key grad", "value grad"), got, want):
             torch.testing.assert_close(unshard_sequence(got_shard, 2, mesh), want_full, **TOLERANCE,
                                        msg=lambda m: f"{rotate_method} {mode} {name}: {m}")
+
+
+def check_model_rows(mesh: DeviceMesh) -> None:
+    """A model changed by apply_cp, given this rank's shard of the tokens, returns this rank's rows of the unchanged
+    model's logits: attention sees the whole sequence, and the rotary table the positions of this rank's rows."""
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        full = Transformer(MODEL)
+    full.to_empty(device="cpu")
+    init_weights(full)
+    sharded = Transformer(MODEL)
+    sharded.load_state_dict(full.state_dict())
+    apply_cp(sharded, mesh, "alltoall")
+    assert all(isinstance(block.attention.inner_attention, ContextParallelAttention)
+               for block in sharded.layers.values())
+    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    local_tokens, _ = shard_batch(tokens, tokens, mesh)
+    torch.testing.assert_close(sharded(local_tokens), shard_sequence(full(tokens), 1, mesh.get_local_rank(), CP),
+                               **TOLERANCE)
+
+
+def check_on_two_ranks(rank: int, folder: str) -> None:
+    """One spawn for every two-rank check, since starting two ranks costs more than the checks."""
+    mesh = init_cp_mesh(rank, folder)
+    check_sharded_attention(mesh)
+    check_model_rows(mesh)
     destroy_distributed(wait_for_peers=True)
 
 
-def test_sharded_attention_matches_full(tmp_path: Path) -> None:
-    mp.spawn(check_sharded_attention, args=(str(tmp_path),), nprocs=CP)
+def test_sharded_attention_and_model_match_full(tmp_path: Path) -> None:
+    mp.spawn(check_on_two_ranks, args=(str(tmp_path),), nprocs=CP)
 
 
-@contextmanager
-def one_rank_cp_mesh(folder: Path, device_type: str) -> Iterator[DeviceMesh]:
-    """A one-rank cp mesh in this process: enough to enter the context, far cheaper than spawning ranks."""
-    dist.init_process_group(init_method=f"file://{folder}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh(device_type, (1,), mesh_dim_names=("cp",))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_patch_only_inside_context_and_only_causal(tmp_path: Path) -> None:
-    original = F.scaled_dot_product_attention
-    query = torch.randn(1, 1, 4, 2)
-    with one_rank_cp_mesh(tmp_path, "cpu") as mesh:
-        with context_parallel_attention(mesh, "allgather"):
-            assert F.scaled_dot_product_attention is not original
-            with pytest.raises(NotImplementedError, match="got attn_mask=a tensor"):
-                F.scaled_dot_product_attention(query, query, query, attn_mask=torch.ones(4, 4, dtype=torch.bool),
-                                               is_causal=True)
-            with pytest.raises(NotImplementedError, match="is_causal=False.*context_parallel_degree"):
-                F.scaled_dot_product_attention(query, query, query)
-        assert F.scaled_dot_product_attention is original
-        with pytest.raises(RuntimeError, match="failed inside"):
-            with context_parallel_attention(mesh, "alltoall"):
-                raise RuntimeError("failed inside")
-        assert F.scaled_dot_product_attention is original
+def test_shard_batch_without_context_parallel_is_the_batch() -> None:
+    tokens = torch.arange(8).view(1, 8)
+    inputs, labels = shard_batch(tokens, tokens + 1, None)
+    assert inputs is tokens and torch.equal(labels, tokens + 1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="torch's context parallel runs on CUDA only; the CPU tests cover the layout and contract")
 @pytest.mark.parametrize("rotate_method", ROTATE_METHODS)
 def test_torch_path_on_cuda_matches_full(rotate_method: str, tmp_path: Path) -> None:
-    """torch's ring attention entered through titan's context: one rank, so it checks the wiring (the
-    placeholder buffer, the load balancing, the wrapped patch), not the exchange."""
-    inputs = [x.cuda() for x in attention_inputs()]
-    want = output_and_grads(causal_sdpa, *inputs)
-    with one_rank_cp_mesh(tmp_path, "cuda") as mesh, context_parallel_attention(mesh, rotate_method):
-        got = output_and_grads(causal_sdpa, *inputs)
-        with pytest.raises(NotImplementedError, match="is_causal=False"):
-            F.scaled_dot_product_attention(*inputs[:3])
+    """torch's ring attention through the _ContextParallel style: one rank, so it checks the wiring (the style's
+    hooks, the dispatcher, the load balancing), not the exchange."""
+    dist.init_process_group(init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+        inputs = [x.cuda() for x in attention_inputs()]
+        want = output_and_grads(CausalAttention(), *inputs)
+        got = output_and_grads(ContextParallelAttention(mesh, rotate_method), *inputs)
+    finally:
+        dist.destroy_process_group()
     # The ring merges its blocks in fp32 after a CUDA kernel that may differ from the reference's.
     for got_tensor, want_tensor in zip(got, want):
         torch.testing.assert_close(got_tensor, want_tensor, rtol=1e-4, atol=1e-4)

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import tiktoken.load
 import torch
+from bpe_train import train_bpe, write_tiktoken
 
 from titan.config.errors import ConfigError
 from titan.config.job import Training, Validation
-from titan.data.bpe_train import train_bpe, write_tiktoken
 from titan.data.dataset import (
     HELD_OUT_EVERY,
     SHIPPED_CORPUS,

@@ -1,6 +1,6 @@
 """Hugging Face export of Titan's tokenizer (titan/data/hf_tokenizer.py): transformers.AutoTokenizer on the
 exported folder gives Titan's ids, special ids and decoding for the shipped tokenizer, one freshly trained by
-titan/data/bpe_train.py and a file in Llama 3's format (128000 ranks, so 256 special tokens); and tiktoken's
+scripts/bpe_train.py and a file in Llama 3's format (128000 ranks, so 256 special tokens); and tiktoken's
 rank rule equals Hugging Face's merge list on random vocabularies, every input up to 10 bytes."""
 
 import ast
@@ -10,11 +10,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
+from bpe_train import count_chunks, train_bpe
 from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from test_data import random_unicode
-from titan.data.bpe_train import count_chunks, train_bpe
 from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.tokenizer import (
@@ -47,7 +47,7 @@ CORPUS = list(read_jsonl_documents(SHIPPED_CORPUS, origin="test"))
 
 
 def trained_ranks() -> dict[bytes, int]:
-    """~0.3 s of titan/data/bpe_train.py; the test texts go in too, so that their non-ASCII gets merges."""
+    """~0.3 s of scripts/bpe_train.py; the test texts go in too, so that their non-ASCII gets merges."""
     return train_bpe(CORPUS[-40:] + list(TEXTS.values()) * 5, num_ranks=3000)
 
 

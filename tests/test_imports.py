@@ -1,6 +1,8 @@
-"""titan/quant imports one way: formats <- kernels <- float8 casts and MX numerics <- linears <- FSDP's float8
-all-gather and the converter. Imports inside functions count: deferring one hides a cycle from Python, not from
-a reader who must follow it."""
+"""Imports point one way. Between packages, down a table of layers: models < config < metrics, exits < quant,
+parallel, data < checkpoint < train < estimate < the entry points (titan/dry_run.py, titan/launch.py), the table of
+shared/tools/layers.py. Between modules, with no cycle anywhere in titan/ (titan/quant's order: formats <- kernels
+<- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter). Imports inside
+functions count: deferring one hides a cycle from Python, not from a reader who must follow it."""
 
 import ast
 import graphlib
@@ -9,7 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-QUANT = ROOT / "titan" / "quant"
+TITAN = ROOT / "titan"
+
+LAYERS = [{"models"}, {"config"}, {"metrics", "exits"}, {"quant", "parallel", "data"}, {"checkpoint"}, {"train"},
+          {"estimate"}, {"dry_run", "launch"}]
+"""Packages (a top-level module titan/<name>.py counts as package <name>), lowest first: a package imports from
+its own layer and the ones below."""
+LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}
 
 
 def module_name(path: Path) -> str:
@@ -17,33 +25,60 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, modules: set[str]) -> set[str]:
-    """The `modules` that the file at `path` imports anywhere in it; `from package import name` imports the
-    package and, when there is one, its submodule package.name."""
-    imported = set()
+def imported_modules(path: Path, modules: set[str]) -> dict[str, int]:
+    """The `modules` that the file at `path` imports anywhere in it, each with the line of its first import;
+    `from package import name` imports the package and, when there is one, its submodule package.name."""
+    imported: dict[str, int] = {}
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
+            names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}:{node.lineno}: a relative import, which this check would not resolve"
-            imported.update({node.module, *(f"{node.module}.{alias.name}" for alias in node.names)})
-    return imported & modules
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            if name in modules:
+                imported.setdefault(name, node.lineno)
+    return imported
 
 
-def quant_import_graph() -> dict[str, set[str]]:
-    """Each titan.quant module and the titan.quant modules it imports."""
-    paths = sorted(QUANT.rglob("*.py"))
+def import_graph(package: Path) -> dict[str, dict[str, int]]:
+    """Each module under `package` and the modules under it that it imports (with the line)."""
+    paths = sorted(package.rglob("*.py"))
     modules = {module_name(path) for path in paths}
     return {module_name(path): imported_modules(path, modules) for path in paths}
 
 
-def test_quant_imports_have_no_cycle() -> None:
-    graph = quant_import_graph()
-    # The check sees deferred imports (casts loads its Triton kernels on first use) and the shared format facts.
+def layer_package(module: str) -> str:
+    """titan.quant.float8.linear -> quant; titan.launch -> launch."""
+    return module.split(".")[1]
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {layer_package(module) for module in import_graph(TITAN) if module != "titan"}
+    assert packages <= LAYER_OF.keys(), (f"titan packages without a layer: {sorted(packages - LAYER_OF.keys())}. "
+                                         f"Place them in LAYERS (and in shared/tools/layers.py).")
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward = [f"{module} (line {line}) imports {target}: {layer_package(module)} -> {layer_package(target)}"
+              for module, targets in import_graph(TITAN).items() if module != "titan"
+              for target, line in targets.items() if target != "titan"
+              and LAYER_OF[layer_package(target)] > LAYER_OF[layer_package(module)]]
+    assert not upward, ("imports that run up the layers (lowest first: " + " < ".join(
+        ", ".join(sorted(layer)) for layer in LAYERS) + "). Move what both sides need down:\n" + "\n".join(upward))
+
+
+def test_imports_have_no_cycle() -> None:
+    graph = import_graph(TITAN)
+    # The check sees deferred imports (casts loads its Triton kernels on first use, the dry-run command the
+    # simulation) and the shared format facts.
     assert "titan.quant.kernels.float8_cast" in graph["titan.quant.float8.casts"]
-    assert graph["titan.quant.formats"] == set()
+    assert "titan.estimate.simulate" in graph["titan.dry_run"]
+    assert graph["titan.quant.formats"] == {}
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as error:
-        pytest.fail(f"import cycle in titan/quant: {' -> '.join(error.args[1])}. Move what both sides need down "
-                    f"(format facts to titan/quant/formats.py), so imports run one way.")
+        pytest.fail(f"import cycle in titan: {' -> '.join(error.args[1])}. Move what both sides need down "
+                    f"(format facts to titan/quant/formats.py, say), so imports run one way.")

@@ -109,7 +109,7 @@ def test_training_losses_match_unchunked(tmp_path: Path) -> None:
     _, full = train(tmp_path / "full", *steps, "--training.loss_chunk_size", "0")
     _, default = train(tmp_path / "default", *steps)
     trainer, chunked = train(tmp_path / "chunked", *steps, "--training.loss_chunk_size", "100")
-    assert trainer.loss_fn.keywords == {"chunk_size": 100}
+    assert trainer.training.loss_fn.keywords["chunk_size"] == 100
     assert len(full) == 5
     torch.testing.assert_close(default, full, rtol=0, atol=1e-5)
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-5)

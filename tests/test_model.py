@@ -23,9 +23,9 @@ from titan.models.llama import (
 from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
 from titan.models.llama.model import (
     Attention,
+    CausalAttention,
     apply_rotary_emb,
     expand_kv_heads,
-    grouped_query_attention,
     precompute_rope_cache,
     scale_rope_frequencies,
 )
@@ -184,7 +184,7 @@ def test_gqa_reads_kv_heads_in_place_as_expanded_copies_would(dtype: torch.dtype
     k, v = torch.randn(2, 2, 32, 16, dtype=dtype), torch.randn(2, 2, 32, 16, dtype=dtype)  # 2 kv heads: n_rep 4
     assert torch.equal(expand_kv_heads(k, 4), k.repeat_interleave(4, dim=1))
     expanded = F.scaled_dot_product_attention(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), is_causal=True)
-    torch.testing.assert_close(grouped_query_attention(q, k, v, 4), expanded)
+    torch.testing.assert_close(CausalAttention()(q, k, v), expanded)
 
 
 def test_future_tokens_do_not_change_earlier_logits() -> None:
@@ -215,7 +215,7 @@ def test_meta_build_and_init_is_deterministic() -> None:
     first, second = build(SMALL, seed=7), build(SMALL, seed=7)
     for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(first.rope_cache, precompute_rope_cache(SMALL))
+    torch.testing.assert_close(first.rope.cache, precompute_rope_cache(SMALL))
     assert not torch.equal(build(SMALL, seed=8).output.weight, first.output.weight)
 
 

@@ -148,7 +148,8 @@ def test_filters_and_tensor_parallel_shards() -> None:
 
 def test_float8_and_mx_must_split_the_layers() -> None:
     with pytest.raises(ConfigError) as error:
-        apply_converters(Toy(), ["float8", "mx"], Float8(), MX(), tp_degree=1, print_after_conversion=False)
+        apply_converters(Toy(), ["float8", "mx"], Float8(), MX(), tp_degree=1, fsdp_enabled=False,
+                         print_after_conversion=False)
     message = str(error.value)
     assert "--model.converters float8 and mx would both convert 2 linear layers (attention, feed_forward)" in message
     assert "--float8.filter_fqns" in message and "--mx.filter_fqns" in message
@@ -156,7 +157,7 @@ def test_float8_and_mx_must_split_the_layers() -> None:
     model = Toy()
     decisions = decisions_by_fqn(apply_converters(
         model, ["float8", "mx"], Float8(filter_fqns=["output", "feed_forward"]), MX(filter_fqns=["output", "attention"]),
-        tp_degree=1, print_after_conversion=False))
+        tp_degree=1, fsdp_enabled=False, print_after_conversion=False).decisions)
     assert isinstance(model.attention, Float8Linear) and isinstance(model.feed_forward, MXLinear)
     assert isinstance(model.odd, Float8Linear)  # mx cannot take it, float8 can
     assert decisions["output"].result == ("skipped: matches --float8.filter_fqns 'output'; "
@@ -167,7 +168,8 @@ def test_float8_and_mx_must_split_the_layers() -> None:
 def test_print_after_conversion(titan_records: list[logging.LogRecord]) -> None:
     with torch.device("meta"):
         model = Toy()
-    apply_converters(model, ["mx"], Float8(), MX(emulate=True), tp_degree=1, print_after_conversion=True)
+    apply_converters(model, ["mx"], Float8(), MX(emulate=True), tp_degree=1, fsdp_enabled=False,
+                     print_after_conversion=True)
     log = "\n".join(record.getMessage() for record in titan_records)
     assert "Model conversion report" in log
     assert "MXLinear(in_features=64, out_features=128, bias=False, mx=mxfp8, emulated)" in log

@@ -18,11 +18,11 @@ from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import complete_steps
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.validate import parse_duration
+from titan.config.domain import parse_duration
 from titan.exits import run_main
 from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
-from train_script import ROOT, losses_by_step
+from train_script import ROOT, losses_by_step, metric_records
 
 STEPS = 20
 SMALL = ["--job.config_file", DEBUG_TOML, "--training.seq_len", "32", "--training.local_batch_size", "2",
@@ -33,6 +33,18 @@ FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 
 def build_trainer(folder: Path, *flags: str) -> Trainer:
     return Trainer(load_job_config([*SMALL, "--job.dump_folder", str(folder), *flags], world_size=1), world_size=1)
+
+
+def loaded_line(folder: Path, step: int) -> str:
+    """The start of the line a run logs when it resumes from `folder`'s checkpoint of `step`."""
+    return f"Loaded {folder}/checkpoint/step-{step}: step {step},"
+
+
+def loss_steps_since(folder: Path, num_earlier_records: int) -> list[int]:
+    """The steps of the losses in <folder>/metrics.jsonl after its first `num_earlier_records` records: what a rerun
+    logged. A rerun appends to the file and losses_by_step keeps each step's last value, so a rerun that trained from
+    step 1 again would pass a comparison of losses_by_step alone."""
+    return [record["step"] for record in metric_records(folder)[num_earlier_records:] if "loss" in record]
 
 
 def act_after_step(trainer: Trainer, step: int, action: Callable[[], None], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -86,7 +98,8 @@ def test_time_limit_spellings() -> None:
 
 
 def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: Path,
-                                                                     one_process_losses: dict[int, float]) -> None:
+                                                                     one_process_losses: dict[int, float],
+                                                                     titan_records: list[logging.LogRecord]) -> None:
     """SIGTERM to the launcher (as Slurm or Kubernetes send it) at step 13: it passes the signal on, the rank
     finishes step 13, saves it and exits 4, and so does the launcher. Rerunning resumes with the straight run's
     losses, bit for bit."""
@@ -100,7 +113,10 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: P
             f"the same command to resume.") in output
     assert "Traceback" not in output
     assert complete_steps(tmp_path / "checkpoint") == [5, 10, 13]
+    num_stopped_records = len(metric_records(tmp_path))
     build_trainer(tmp_path, *flags).run()  # the same flags, in this process
+    assert loss_steps_since(tmp_path, num_stopped_records) == list(range(14, STEPS + 1))
+    assert any(record.getMessage().startswith(loaded_line(tmp_path, 13)) for record in titan_records)
     assert losses_by_step(tmp_path) == one_process_losses
 
 
@@ -116,28 +132,36 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tm
     for rank in (0, 1):
         assert f"[rank{rank}] ERROR Stopped at step 13: rank 1 received SIGTERM." in stopped.stdout
     assert complete_steps(folder / "checkpoint") == [5, 10, 13]
+    num_stopped_records = len(metric_records(folder))
     rerun = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after step 13, so it sends nothing
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert f"[rank0] INFO {loaded_line(folder, 13)}" in rerun.stdout, rerun.stdout[-3000:]
+    assert loss_steps_since(folder, num_stopped_records) == list(range(14, STEPS + 1))
     assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
 
 
 def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           titan_records: list[logging.LogRecord]) -> None:
     """Steps of at least 0.2s against --job.time_limit 1s: the run stops after some step k, by step 5 at the latest
-    (1s has passed then), with exit code 4 and a checkpoint of step k; a rerun without the limit goes on from k."""
+    (1s has passed then), with exit code 4 and a checkpoint of step k; a rerun without the limit goes on from k,
+    with a straight run's losses, bit for bit."""
     flags = ["--training.steps", "6", *CHECKPOINT]
-    trainer = build_trainer(tmp_path, *flags, "--job.time_limit", "1s")
+    folder = tmp_path / "run"
+    trainer = build_trainer(folder, *flags, "--job.time_limit", "1s")
     act_after_step(trainer, 0, lambda: time.sleep(0.2), monkeypatch)
     assert run_main(trainer.run) == 4
     message = titan_records[-1].getMessage()
     assert "--job.time_limit 1s leaves too little time for another step" in message, message
-    stopped = complete_steps(tmp_path / "checkpoint")[-1]
+    stopped = complete_steps(folder / "checkpoint")[-1]
     assert stopped <= 5 and message.startswith(f"Stopped at step {stopped}:")
-    assert f"Its checkpoint is {tmp_path}/checkpoint/step-{stopped}; rerun the same command to resume." in message
-    build_trainer(tmp_path, *flags).run()
-    loaded = f"Loaded {tmp_path}/checkpoint/step-{stopped}: step {stopped},"
-    assert any(record.getMessage().startswith(loaded) for record in titan_records)
-    assert sorted(losses_by_step(tmp_path)) == list(range(1, 7))
+    assert f"Its checkpoint is {folder}/checkpoint/step-{stopped}; rerun the same command to resume." in message
+    num_stopped_records = len(metric_records(folder))
+    build_trainer(folder, *flags).run()
+    assert any(record.getMessage().startswith(loaded_line(folder, stopped)) for record in titan_records)
+    assert loss_steps_since(folder, num_stopped_records) == list(range(stopped + 1, 7))
+    # The 20-step straight run warms up over other steps (the warmup is cut to --training.steps): its own reference.
+    build_trainer(tmp_path / "straight", "--training.steps", "6").run()
+    assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
 
 
 def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -1,9 +1,11 @@
 """Roofline step-time model: per-op roofline, ring collective times, overlap and MFU arithmetic, worked by hand."""
 
-import pytest
-
+import typing
 from dataclasses import replace
 
+import pytest
+
+from titan.config.job import Estimate
 from titan.estimate.roofline import (GPUS, Collective, Network, OpCost, collective_seconds, compute_seconds,
                                      estimate_step)
 from titan.metrics.throughput import PEAK_BF16_FLOPS
@@ -13,12 +15,33 @@ H100 = replace(GPUS["H100"], matmul_efficiency=1.0, attention_efficiency=1.0, hb
 NODE = Network()
 
 
-def test_gpu_peaks_come_from_throughput_table() -> None:
-    peaks = dict(PEAK_BF16_FLOPS)
-    for name, gpu in GPUS.items():
-        assert gpu.peak_bf16_flops == peaks[name]
-        assert gpu.peak_fp8_flops == 2 * peaks[name]
-    assert set(GPUS) == {"H100", "H200", "B200"}
+# NVIDIA's datasheets (SXM parts), copied here by hand rather than from the code: dense (not sparse) tensor-core
+# TFLOP/s for BF16, FP8 and TF32 (the sheets state sparse figures, twice these), HBM in GB and TB/s. H100 and H200:
+# the H100/H200 Tensor Core GPU datasheets (1,979 / 3,958 / 989 TFLOPS sparse); B200: the DGX B200 datasheet, per
+# GPU (72 PFLOPS FP8 training for 8 GPUs, sparse; 1,440 GB and 64 TB/s for 8).
+DATASHEETS = {
+    "H100": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 80e9, "hbm_bandwidth": 3.35e12},
+    "H200": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 141e9, "hbm_bandwidth": 4.8e12},
+    "B200": {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1125e12, "hbm": 180e9, "hbm_bandwidth": 8e12},
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_gpu_specs_match_the_datasheets(name: str) -> None:
+    """Rounded as the sheets round them (989.4 vs 989): within 0.1%."""
+    sheet, gpu = DATASHEETS[name], GPUS[name]
+    assert gpu.peak_bf16_flops == pytest.approx(sheet["bf16"], rel=1e-3)
+    assert gpu.peak_fp8_flops == pytest.approx(sheet["fp8"], rel=1e-3)
+    assert gpu.peak_tf32_flops == pytest.approx(sheet["tf32"], rel=1e-3)
+    assert (gpu.hbm_bytes, gpu.hbm_bandwidth) == (sheet["hbm"], sheet["hbm_bandwidth"])
+    # MFU's peak (metrics/throughput.py, looked up by device name) is the roofline's peak.
+    assert dict(PEAK_BF16_FLOPS)[name] == gpu.peak_bf16_flops
+
+
+def test_gpu_table_covers_the_estimate_choices() -> None:
+    """Every --estimate.gpu choice has a spec and a datasheet row, and nothing else does."""
+    choices = set(typing.get_args(typing.get_type_hints(Estimate)["gpu"]))
+    assert set(GPUS) == choices == set(DATASHEETS)
 
 
 def test_op_roofline() -> None:

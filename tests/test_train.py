@@ -4,7 +4,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -66,11 +66,11 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path) -> None:
     accumulated = build_trainer(tmp_path / "acc", "--training.steps", "3", "--training.local_batch_size", "2",
                                 "--training.global_batch_size", "4")
     accumulated.run()
-    assert accumulated.grad_accumulation_steps == 2
+    assert accumulated.training.grad_accumulation_steps == 2
     big_losses = [r["loss"] for r in read_metrics(tmp_path / "big")]
     acc_losses = [r["loss"] for r in read_metrics(tmp_path / "acc")]
     torch.testing.assert_close(acc_losses, big_losses, rtol=1e-5, atol=1e-5)
-    for p_big, p_acc in zip(big.model.parameters(), accumulated.model.parameters()):
+    for p_big, p_acc in zip(big.training.model.parameters(), accumulated.training.model.parameters()):
         torch.testing.assert_close(p_acc, p_big, rtol=1e-4, atol=1e-5)
 
 
@@ -107,12 +107,12 @@ def test_adam_adds_weight_decay_to_the_gradient_adamw_decouples_it(tmp_path: Pat
     weight_decay = 0.5
     trainer = build_trainer(tmp_path, "--training.steps", "10", "--lr_scheduler.warmup_steps", "0", "--optimizer.lr",
                             "1e-2", "--optimizer.name", name, "--optimizer.weight_decay", str(weight_decay))
-    before = {fqn: p.detach().clone() for fqn, p in trainer.model.named_parameters()}
+    before = {fqn: p.detach().clone() for fqn, p in trainer.training.model.named_parameters()}
     trainer.step += 1
     trainer.train_step(iter(trainer.dataloader))
     lr, eps = trainer.current_lr, trainer.cfg.optimizer.eps
     differs_from_other = False
-    for fqn, param in trainer.model.named_parameters():
+    for fqn, param in trainer.training.model.named_parameters():
         w, g = before[fqn], param.grad  # the clipped gradient the optimizer stepped with
         with_decay = g + weight_decay * w
         adam = w - lr * with_decay / (with_decay.abs() + eps)
@@ -148,13 +148,13 @@ def nan_at_step_3(monkeypatch: pytest.MonkeyPatch):
     """Make the loss non-finite from the third step on, the way a diverging run would."""
 
     def install(trainer: Trainer) -> None:
-        real_loss = trainer.loss_fn
+        real_loss = trainer.training.loss_fn
 
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-            loss = real_loss(logits, labels, vocab_size)
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = real_loss(logits, labels)
             return loss * float("nan") if trainer.step >= 3 else loss
 
-        monkeypatch.setattr(trainer, "loss_fn", loss_fn)
+        monkeypatch.setattr(trainer.training, "loss_fn", loss_fn)
 
     return install
 
@@ -169,30 +169,64 @@ def test_nan_loss_stops_at_that_step(tmp_path: Path, nan_at_step_3) -> None:
     assert "loss is nan at step 3" in message and f"{last_finite:.4f}" in message
     assert "--optimizer.lr" in message and "first non-finite gradient is in" in message
     assert trainer.step == 3
-    assert trainer.optimizer.state[next(trainer.model.parameters())]["step"].item() == 2  # no step on the nan
+    first_param = next(trainer.training.model.parameters())
+    assert trainer.training.optimizer.state[first_param]["step"].item() == 2  # no step on the nan
 
 
-class ScalarReads(TorchDispatchMode):
-    """Counts reads of one tensor element to the host (.item(), float(t)): each is a blocking device sync."""
+class HostReads(TorchDispatchMode):
+    """Counts device-to-host reads, each a blocking device sync: one element (.item(), float(t), bool(t):
+    aten._local_scalar_dense), a copy from a device to the CPU (.cpu(), .to("cpu")), and .tolist() and .numpy(),
+    which read a CPU tensor's memory without dispatching any op, so they are counted by wrapping them. A read made
+    inside another (.tolist() of a GPU tensor copies it to the CPU first) counts once."""
 
-    def __init__(self) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         super().__init__()
         self.count = 0
+        self.inside_read = False
+        for name in ("tolist", "numpy"):
+            monkeypatch.setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
+
+    def counted(self, read: Callable[..., object]) -> Callable[..., object]:
+        def counted_read(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if self.inside_read:
+                return read(tensor, *args, **kwargs)
+            self.count += 1
+            self.inside_read = True
+            try:
+                return read(tensor, *args, **kwargs)
+            finally:
+                self.inside_read = False
+
+        return counted_read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._local_scalar_dense.default
-        return func(*args, **(kwargs or {}))
+        result = func(*args, **(kwargs or {}))
+        if not self.inside_read and (func is torch.ops.aten._local_scalar_dense.default
+                                     or copies_to_host(func, args, result)):
+            self.count += 1
+        return result
 
 
-def test_train_step_reads_loss_and_norm_in_one_transfer(tmp_path: Path) -> None:
+def copies_to_host(func: torch._ops.OpOverload, args: tuple, result: object) -> bool:
+    """Whether `func` copied a tensor from a device to the CPU (.cpu(), .to("cpu"), copy_ into a CPU tensor)."""
+    if func is torch.ops.aten._to_copy.default:
+        source = args[0]
+    elif func is torch.ops.aten.copy_.default:
+        source = args[1]
+    else:
+        return False
+    return result.device.type == "cpu" and source.device.type != "cpu"
+
+
+def test_train_step_reads_loss_and_norm_in_one_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The NaN guard needs the loss and the gradient norm on the host every step; they come back together in one
-    tensor (.tolist(), one copy), not one .item() each."""
+    tensor (.tolist(), one copy), not one read each."""
     trainer = build_trainer(tmp_path, "--training.steps", "2")
     data_iterator = iter(trainer.dataloader)
     trainer.step = 1
-    with ScalarReads() as reads:
+    with HostReads(monkeypatch) as reads:
         loss, grad_norm, anomaly = trainer.train_step(data_iterator)
-    assert reads.count == 0
+    assert reads.count == 1
     assert math.isfinite(loss) and grad_norm > 0 and anomaly is None
 
 
@@ -231,7 +265,7 @@ def test_compile_matches_eager(tmp_path: Path) -> None:
     counters.clear()
     compiled = build_trainer(tmp_path / "compiled", "--training.steps", "3", "--training.compile")
     compiled.run()
-    assert all(block._compiled_call_impl is not None for block in compiled.model.layers.values())
+    assert all(block._compiled_call_impl is not None for block in compiled.training.model.layers.values())
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     eager_losses = [r["loss"] for r in read_metrics(tmp_path / "eager")]
     compiled_losses = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
@@ -283,7 +317,8 @@ def test_activation_checkpointing_recomputes_in_backward(tmp_path: Path, flags: 
     """The trainer's blocks are checkpoint-wrapped as the mode says, and one step runs exactly the forward ops
     that mode recomputes a second time."""
     trainer = build_trainer(tmp_path, "--training.steps", "1", *flags)
-    assert [int(i) for i, block in trainer.model.layers.items() if isinstance(block, CheckpointWrapper)] == wrapped
+    layers = trainer.training.model.layers
+    assert [int(i) for i, block in layers.items() if isinstance(block, CheckpointWrapper)] == wrapped
     trainer.step += 1
     with OpCounter() as ops:
         trainer.train_step(iter(trainer.dataloader))

@@ -2,11 +2,12 @@
 Blackwell for MX), on this CPU-only machine: Triton compiles ahead of time without a GPU. The numerics tests run the
 kernels under TRITON_INTERPRET=1, which accepts code that real compilation rejects: the MX kernel read a plain
 Python global, which only failed once it was compiled on an H100. So this test captures the launches the real
-launchers make (CPU tensors, nothing runs) and hands each one, with its argument types and constexprs, to the
-compiler."""
+launchers make (CPU tensors, nothing runs) and hands each one, with its argument types, constexprs and launch options
+(num_warps, num_stages, ...), to the compiler."""
 
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from unittest.mock import patch
 
@@ -26,12 +27,25 @@ FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 INPUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def captured_launches(launch: Callable[[], object]) -> list[tuple[JITFunction, dict]]:
-    """The kernels `launch()` starts, each with its arguments by name; captured instead of run."""
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: the kernel, its arguments by name, and the launch options given with them (num_warps,
+    num_stages, ...: the keywords that are not the kernel's parameters), which the compiled variant depends on."""
+
+    kernel: JITFunction
+    arguments: dict
+    options: dict
+
+
+def captured_launches(launch: Callable[[], object]) -> list[Launch]:
+    """The kernels `launch()` starts; captured instead of run."""
     launches = []
 
     def capture(kernel: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> None:
-        launches.append((kernel, {**dict(zip(kernel.arg_names, args)), **kwargs}))
+        arguments = dict(zip(kernel.arg_names, args))
+        arguments.update((name, value) for name, value in kwargs.items() if name in kernel.arg_names)
+        options = {name: value for name, value in kwargs.items() if name not in kernel.arg_names}
+        launches.append(Launch(kernel, arguments, options))
 
     with patch.object(JITFunction, "run", capture):
         launch()
@@ -60,8 +74,9 @@ def compile_source(kernel: JITFunction, arguments: dict) -> ASTSource:
     return ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
 
 
-def every_launch() -> dict[str, tuple[JITFunction, dict]]:
-    """One launch per distinct (kernel, argument types, constexprs) the launchers make, for bf16 and fp32 inputs."""
+def every_launch() -> dict[str, Launch]:
+    """One launch per distinct (kernel, argument types, constexprs, options) the launchers make, for bf16 and fp32
+    inputs."""
     x = torch.randn(64, 256)
     launchers = []
     for input_dtype, float8 in itertools.product(INPUT_DTYPES, FLOAT8):
@@ -72,28 +87,30 @@ def every_launch() -> dict[str, tuple[JITFunction, dict]]:
         launchers += [partial(triton_quantize, source, 32, float8, dim) for dim in (0, -1)]
     distinct = {}
     for launcher in launchers:
-        for kernel, arguments in captured_launches(launcher):
-            source = compile_source(kernel, arguments)
-            key = (kernel.__name__, tuple(source.signature.items()), tuple(sorted(source.constants.items())))
+        for launch in captured_launches(launcher):
+            source = compile_source(launch.kernel, launch.arguments)
+            key = (launch.kernel.__name__, tuple(source.signature.items()), tuple(sorted(source.constants.items())),
+                   tuple(sorted(launch.options.items())))
             call = ", ".join([f"{launcher.args[0].dtype} x", *map(str, launcher.args[1:])])
-            distinct.setdefault(key, (f"{kernel.__name__} from {launcher.func.__name__}({call})", kernel, arguments))
-    return {name: (kernel, arguments) for name, kernel, arguments in distinct.values()}
+            distinct.setdefault(key, (f"{launch.kernel.__name__} from {launcher.func.__name__}({call})", launch))
+    return dict(distinct.values())
 
 
 LAUNCHES = every_launch()
 
 
 def test_every_kernel_is_launched() -> None:
-    names = {kernel.__name__ for kernel, _ in LAUNCHES.values()}
+    names = {launch.kernel.__name__ for launch in LAUNCHES.values()}
     assert names == {"_partial_amax_kernel", "_tensorwise_cast_kernel", "_rowwise_cast_kernel", "_mx_quantize_kernel"}
 
 
 @pytest.mark.parametrize("capability", [90, 100], ids=["sm_90", "sm_100"])
 def test_kernels_compile_to_cubin(capability: int) -> None:
     failures = []
-    for name, (kernel, arguments) in LAUNCHES.items():
+    for name, launch in LAUNCHES.items():
         try:
-            compiled = triton.compile(compile_source(kernel, arguments), target=GPUTarget("cuda", capability, 32))
+            compiled = triton.compile(compile_source(launch.kernel, launch.arguments),
+                                      target=GPUTarget("cuda", capability, 32), options=launch.options)
             assert compiled.asm["cubin"], "empty cubin"
         except Exception as error:  # noqa: BLE001: every kernel's failure is reported, not just the first
             failures.append(f"{name}: {type(error).__name__}: {str(error)[-600:]}")

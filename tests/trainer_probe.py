@@ -18,10 +18,10 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titan.config.check import load_job_config  # noqa: E402
-from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import MESH_DIMS, destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from torchrun import finish_rank  # noqa: E402
 
 
 def fsdp_sharded(module: nn.Module) -> bool:
@@ -35,9 +35,9 @@ def fsdp_sharded(module: nn.Module) -> bool:
 def group_timeouts(trainer: Trainer) -> dict[str, float]:
     """Collective timeout in seconds of the default process group and of each mesh dimension's group."""
     groups = {"default": dist.distributed_c10d._get_default_group()}
-    groups.update({name: trainer.meshes.root[name].get_group() for name in MESH_DIMS})
-    groups.update({"dp": trainer.meshes.dp.get_group(), "fsdp": trainer.meshes.fsdp.get_group(),
-                   "loss": trainer.meshes.loss.get_group()})
+    groups.update({name: trainer.training.meshes.root[name].get_group() for name in MESH_DIMS})
+    groups.update({"dp": trainer.training.meshes.dp.get_group(), "fsdp": trainer.training.meshes.fsdp.get_group(),
+                   "loss": trainer.training.meshes.loss.get_group()})
     return {name: group._get_backend(trainer.device).options._timeout.total_seconds()
             for name, group in groups.items()}
 
@@ -53,9 +53,9 @@ def main() -> None:
         after_forward.append({"blocks": [fsdp_sharded(block) for block in model.layers.values()],
                               "root": fsdp_sharded(model.tok_embeddings)})
 
-    trainer.model.register_forward_hook(record)  # runs after FSDP's own post-forward hooks, registered earlier
+    trainer.training.model.register_forward_hook(record)  # runs after FSDP's own post-forward hooks, registered earlier
     trainer.run()
-    gradients = {fqn: param.grad.to_local() for fqn, param in trainer.model.named_parameters()}
+    gradients = {fqn: param.grad.to_local() for fqn, param in trainer.training.model.named_parameters()}
     if trainer.rank == 0:
         torch.save({"after_forward": after_forward[0], "setup_timeouts": setup_timeouts,
                     "train_timeouts": group_timeouts(trainer), "gradients": gradients}, out)
@@ -64,4 +64,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    exit_process(0)
+    finish_rank()

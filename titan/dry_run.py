@@ -13,6 +13,7 @@ from pathlib import Path
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.config.job import JobConfig
 from titan.exits import run_main
 from titan.metrics.log import init_logger, logger
 
@@ -26,16 +27,14 @@ def documented_world_size(config: Path) -> int:
     return int(found.group(1))
 
 
-def dry_run(argv: list[str], world_size: int, ranks: list[int] | None) -> int:
-    """Validate the config for `world_size`, then simulate and report each of `ranks` (default: first and last).
-    Returns the exit code (a rank simulated here raises its errors instead)."""
+def dry_run(cfg: JobConfig, argv: list[str], world_size: int, ranks: list[int] | None) -> int:
+    """Simulate and report each of `ranks` (default: first and last) of the job `cfg`, validated for `world_size`
+    and parsed from `argv` (which a rank simulated in a process of its own parses again). Returns the exit code (a
+    rank simulated here raises its errors instead)."""
     # Imported here: the trainer's imports are slow, and a config error should come out before them.
     from titan.estimate.report import check_fits, format_report
-    from titan.train.dry_run import run_dry_run
+    from titan.estimate.simulate import run_dry_run
 
-    if world_size < 1:
-        raise ConfigError(f"--world_size {world_size} must be at least 1: the number of GPUs the job is meant for.")
-    cfg = load_job_config([*argv, "--job.dry_run"], world_size)
     ranks = ranks if ranks is not None else sorted({0, world_size - 1})
     outside = [rank for rank in ranks if not 0 <= rank < world_size]
     if outside:
@@ -69,7 +68,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world_size", type=int, required=True, help="Ranks of the simulated job (GPUs).")
     parser.add_argument("--rank", type=int, action="append", help="A rank to simulate; repeat for more.")
     known, titan_args = parser.parse_known_args(argv)
-    return run_main(lambda: dry_run(titan_args, known.world_size, known.rank))
+    return run_main(lambda: dry_run_cli(titan_args, known.world_size, known.rank))
+
+
+def dry_run_cli(titan_args: list[str], world_size: int, ranks: list[int] | None) -> int:
+    """The command line's dry run: the world size checked, the config parsed and validated once for it."""
+    if world_size < 1:
+        raise ConfigError(f"--world_size {world_size} must be at least 1: the number of GPUs the job is meant for.")
+    return dry_run(load_job_config([*titan_args, "--job.dry_run"], world_size), titan_args, world_size, ranks)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,16 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from titan.config.errors import KnownStop
+from titan.config.errors import EXIT_USER_MISTAKE, ConfigError
 from titan.metrics.log import logger
+
+EXIT_DIVERGED = 3
+EXIT_STOPPED_EARLY = 4
+"""A preemption signal or --job.time_limit stopped the run at a step boundary; rerunning the command resumes."""
+EXIT_HUNG = 5
+"""A step outlasted --comm.train_timeout_seconds; each rank's stack is in <dump_folder>/hang/."""
+KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG)
+"""Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """What a scheduler sends before it kills a job (Slurm: SIGTERM, or SIGUSR1 with --signal; Kubernetes: SIGTERM), and
@@ -32,6 +40,14 @@ PEER_STOP_WAIT = timedelta(seconds=10)
 """How long a rank whose collective failed waits for a peer's stop notice before treating the failure as its own."""
 
 
+class KnownStop(Exception):
+    """A runtime ending that explains itself: the message is printed without a traceback and the process exits with
+    `exit_code`. `every_rank_stops`: every rank raises it at the same point (so ranks may meet once more)."""
+
+    exit_code: int
+    every_rank_stops = False
+
+
 def run_main(body: Callable[[], int | None], on_exit: Callable[[bool], None] | None = None) -> int:
     """Run `body` and return the process exit code. `on_exit(ranks_agree)` runs last in every case; ranks_agree
     says every rank reached the same point (a finished run, or a stop every rank raises), so they may still meet."""
@@ -40,7 +56,7 @@ def run_main(body: Callable[[], int | None], on_exit: Callable[[bool], None] | N
         code = body() or 0
         ranks_agree = True
         return code
-    except KnownStop as stop:
+    except (KnownStop, ConfigError) as stop:
         logger.error(str(stop))
         announce_stop(stop.exit_code)
         ranks_agree = stop.every_rank_stops

@@ -25,10 +25,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import determine_local_world_size, get_args_parser, run
 
 from titan.config.check import load_job_config
-from titan.config.errors import KNOWN_EXIT_CODES, ConfigError
+from titan.config.errors import ConfigError
 from titan.config.load import parse_args as parse_titan_args
 from titan.dry_run import dry_run
-from titan.exits import STOP_SIGNALS, run_main
+from titan.exits import KNOWN_EXIT_CODES, STOP_SIGNALS, run_main
 from titan.metrics.log import init_logger, logger, logging_ranks
 
 HELP_FLAGS = ("-h", "--help")
@@ -132,8 +132,9 @@ def launch(argv: list[str]) -> int:
     check_log_ranks(world_size)
     cfg = load_job_config(args.training_script_args, world_size)
     if cfg.job.dry_run:
-        # One process simulates the job's first and last rank: no torchrun, whatever NGPU is.
-        return dry_run(args.training_script_args, world_size, ranks=None)
+        # No torchrun, whatever NGPU is: the job's first and last rank are simulated one after the other, each in a
+        # subprocess of its own (titan/dry_run.py simulate_in_subprocesses).
+        return dry_run(cfg, args.training_script_args, world_size, ranks=None)
     # torchrun logs each failed rank at ERROR level; the rank's own message is the useful one.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -7,6 +7,7 @@ bound, so it is rejected explicitly.
 """
 
 import math
+import re
 import typing
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
@@ -84,3 +85,18 @@ def field_ranges(section_cls: type) -> dict[str, Range]:
     """Field name -> the Range declared on its type, for the fields of a config section that declare one."""
     return {name: domain for name, hint in typing.get_type_hints(section_cls, include_extras=True).items()
             for domain in getattr(hint, "__metadata__", ()) if isinstance(domain, Range)}
+
+
+DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
+"""Hours, minutes and seconds, each optional but in this order: 3h50m, 90m, 45s, 1h."""
+
+
+def parse_duration(text: str) -> int | None:
+    """Seconds in a duration spelled as DURATION (3h50m, 90m, 45s, 1h); None if it is spelled otherwise or is 0.
+    The one parser of --job.time_limit: validation checks the text with it, the stopper uses the seconds,
+    the config keeps the text."""
+    match = DURATION.fullmatch(text.strip())
+    if match is None or not any(match.groups()):
+        return None
+    hours, minutes, seconds = (int(part or 0) for part in match.groups())
+    return (hours * 60 + minutes) * 60 + seconds or None

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from titan.config.domain import field_ranges
+from titan.config.domain import field_ranges, parse_duration
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
-from titan.models.llama.model import Transformer
-from titan.parallel.stages import (
+from titan.models.llama.model import linear_fqns
+from titan.config.stages import (
     LOOPED_SCHEDULES,
     ROUND_SCHEDULES,
     V_SCHEDULES,
@@ -34,7 +34,7 @@ from titan.parallel.stages import (
 
 Rule = Callable[[JobConfig, int], str | list[str] | None]
 
-# Model converters this build provides; each converter issue registers its name here.
+# Model converters this build provides.
 AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx")
 # Float8 matmuls need SM89+ (Ada, Hopper, Blackwell).
 FLOAT8_MIN_CAPABILITY = (8, 9)
@@ -96,16 +96,8 @@ def check_converters(cfg: JobConfig, world_size: int) -> str | None:
     unknown = [c for c in cfg.model.converters if c not in AVAILABLE_CONVERTERS]
     if not unknown:
         return None
-    available = ", ".join(AVAILABLE_CONVERTERS) if AVAILABLE_CONVERTERS else "none in this version of Titan"
-    return f"--model.converters has unknown converter(s) {', '.join(map(repr, unknown))}. Available: {available}."
-
-
-def linear_fqns(flavor: str) -> list[str]:
-    """FQNs of the linear layers of --model.flavor, from a model built on the meta device (no memory, a few ms
-    even for 405B). Layer names do not depend on the vocabulary or sequence length."""
-    with torch.device("meta"):
-        model = Transformer(LLAMA3_FLAVORS[flavor])
-    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    return (f"--model.converters has unknown converter(s) {', '.join(map(repr, unknown))}. Available: "
+            f"{', '.join(AVAILABLE_CONVERTERS)}.")
 
 
 def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
@@ -115,7 +107,7 @@ def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     used = [name for name in filters if name in cfg.model.converters]
     if not used:
         return []
-    fqns = linear_fqns(cfg.model.flavor)
+    fqns = linear_fqns(LLAMA3_FLAVORS[cfg.model.flavor])  # layer names don't depend on the vocab or sequence length
     # Every dotted suffix of an FQN ("wq", "attention.wq", ...) is a plausible filter entry to suggest.
     suffixes = sorted({".".join(fqn.split(".")[i:]) for fqn in fqns for i in range(len(fqn.split(".")))})
     layer_kinds = sorted({re.sub(r"^layers\.\d+\.", "", fqn) for fqn in fqns})
@@ -209,20 +201,6 @@ def check_dump_folder(cfg: JobConfig, world_size: int) -> str | None:
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"--job.dump_folder {given!r} can't be written: {existing} is not writable by this user. {fix}"
     return None
-
-
-DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?")
-"""Hours, minutes and seconds, each optional but in this order: 3h50m, 90m, 45s, 1h."""
-
-
-def parse_duration(text: str) -> int | None:
-    """Seconds in a duration spelled as DURATION (3h50m, 90m, 45s, 1h); None if it is spelled otherwise or is 0.
-    The one parser of --job.time_limit: the trainer uses the seconds, the config keeps the text."""
-    match = DURATION.fullmatch(text.strip())
-    if match is None or not any(match.groups()):
-        return None
-    hours, minutes, seconds = (int(part or 0) for part in match.groups())
-    return (hours * 60 + minutes) * 60 + seconds or None
 
 
 def check_time_limit(cfg: JobConfig, world_size: int) -> str | None:

@@ -8,7 +8,7 @@ from titan.config.errors import ConfigError
 from titan.config.job import Estimate
 from titan.estimate.roofline import GPUS, Network, StepEstimate, collective_seconds, estimate_step
 from titan.estimate.trace import CATEGORIES
-from titan.train.dry_run import DryRunResult
+from titan.estimate.simulate import DryRunResult
 
 GIB = 2**30
 

@@ -1,5 +1,8 @@
-"""torch.compile per transformer block."""
+"""torch.compile per transformer block, and of the loss."""
 
+from collections.abc import Callable
+
+import torch
 import torch._inductor.config
 from torch import nn
 
@@ -16,3 +19,9 @@ def apply_compile(model: nn.Module, emulate_precision_casts: bool) -> None:
         block.compile(fullgraph=True)
     casts = ", emulating eager precision casts" if emulate_precision_casts else ""
     logger.info(f"Compiled {len(model.layers)} transformer blocks with torch.compile{casts}")
+
+
+def compile_loss(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The loss compiled whole: inductor fuses the float32 upcast into the cross entropy, so no float32 copy of the
+    logits is kept (what --training.loss_chunk_size does in eager mode)."""
+    return torch.compile(loss_fn)

@@ -2,26 +2,29 @@
 values so that each rank's rows equal those of causal attention over the whole sequence.
 
 Layout (head-tail, as torch's `_HeadTailLoadBalancer`): the sequence is cut into 2 * cp chunks and cp rank r holds
-chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Inputs,
-labels and `rope_cache` are all sharded with `shard_sequence`, so rotary positions follow the tokens.
+chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Inputs and
+labels are sharded with `shard_sequence`, and the model's rotary table reads the positions of the rows this rank
+holds, so rotary positions follow the tokens.
 
-Attention: on CUDA, torch's ring attention (`context_parallel`), whose dispatcher only covers the CUDA SDPA
-kernels (flash, efficient, cudnn). Elsewhere (CPU tests), the same two rotate methods written here with
-autograd-aware functional collectives, so CPU runs check the same math.
+`apply_cp` changes the model in place, as TP and FSDP do: each block's attention kernel (the model's
+CausalAttention module) is replaced by a ContextParallelAttention module, and the rotary table is told this rank's
+positions. Attention: on CUDA, torch's ring attention, by torch's own module style (`_ContextParallel`: q/k/v become
+sequence-sharded DTensors, and its dispatcher sends their SDPA to the ring), which covers only the CUDA SDPA kernels
+(flash, efficient, cudnn). Elsewhere (CPU tests), the same two rotate methods written here with autograd-aware
+functional collectives, so CPU runs check the same math. torch's style cannot carry that CPU exchange: its
+dispatcher hands each SDPA op to a handler as separate forward and backward ops (aten's flash-attention kernels and
+their backward), where Titan's exchange is written once, in autograd-aware collectives (docs/parallelism.md).
 """
 
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.experimental import context_parallel
-from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
+from titan.metrics.log import logger
 from titan.models.llama.model import expand_kv_heads
 
 ROTATE_METHODS = ("allgather", "alltoall")
@@ -29,12 +32,6 @@ ROTATE_METHODS = ("allgather", "alltoall")
 # torch 2.13 renamed the all-gathers (the old names warn there); torch 2.11 has only the old ones.
 all_gather = getattr(funcol, "all_gather_single", funcol.all_gather_tensor)
 all_gather_autograd = getattr(funcol, "all_gather_single_autograd", funcol.all_gather_tensor_autograd)
-
-# Attention over this rank's q/k/v shards (bs, heads, local_seq, head_dim) with an optional softmax scale.
-ShardedAttention = Callable[[Tensor, Tensor, Tensor, float | None], Tensor]
-
-# The unpatched kernel, for the allgather path: inside context_parallel_attention the F attribute is ours.
-_sdpa = F.scaled_dot_product_attention
 
 
 def _chunk_ids(cp_rank: int, cp_degree: int) -> tuple[int, int]:
@@ -68,6 +65,15 @@ def unshard_sequence(local: Tensor, seq_dim: int, cp_mesh: DeviceMesh) -> Tensor
     return gathered.index_select(seq_dim, torch.argsort(positions))
 
 
+def shard_batch(inputs: Tensor, labels: Tensor, cp_mesh: DeviceMesh | None) -> tuple[Tensor, Tensor]:
+    """This rank's head-tail shards of a (bs, seq) batch's inputs and labels; the batch itself without context
+    parallel (`cp_mesh` None)."""
+    if cp_mesh is None:
+        return inputs, labels
+    rank, degree = cp_mesh.get_local_rank(), cp_mesh.size()
+    return shard_sequence(inputs, 1, rank, degree), shard_sequence(labels, 1, rank, degree)
+
+
 def uses_torch_context_parallel(device_type: str) -> bool:
     """Whether torch's ring attention runs: its SDPA dispatcher only handles the CUDA kernels. On CPU, torch 2.13
     stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
@@ -84,84 +90,85 @@ def describe_cp_path(device_type: str, rotate_method: str) -> str:
             f"CUDA SDPA kernels and this device is {device_type}.")
 
 
-@contextmanager
-def context_parallel_attention(cp_mesh: DeviceMesh, rotate_method: str) -> Iterator[None]:
-    """Inside, F.scaled_dot_product_attention(q, k, v, is_causal=True) on `shard_sequence` shards of q/k/v
-    (bs, heads, local_seq, head_dim) returns this rank's rows of causal attention over the whole sequence.
-    Any other call (a mask, dropout, not causal) raises, on either path."""
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+    """Make `model` (a Transformer, or a pipeline stage of one) compute this rank's rows of every sequence, given
+    its head-tail shard of the tokens (shard_batch): each block's attention kernel becomes a
+    ContextParallelAttention, and the rotary table reads the global positions of this rank's rows."""
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"--parallelism.context_parallel_rotate_method {rotate_method!r} is not one of "
                          f"{ROTATE_METHODS}.")
-    if uses_torch_context_parallel(cp_mesh.device_type):
-        with _torch_context_parallel(cp_mesh, rotate_method) as attention, _sdpa_replaced_by(_causal_only(attention)):
-            yield
-    else:
-        with _sdpa_replaced_by(_causal_only(_build_titan_attention(cp_mesh, rotate_method))):
-            yield
-
-
-@contextmanager
-def _torch_context_parallel(cp_mesh: DeviceMesh, rotate_method: str) -> Iterator[ShardedAttention]:
-    """torch's context_parallel with its SDPA dispatcher only (titan shards the buffers itself); yields its
-    ring attention, which context_parallel_attention wraps in the same checks as titan's."""
-    set_rotate_method(rotate_method)
-    # torch 2.13's context_parallel reads buffers[0] unconditionally (IndexError without buffers) and turns its
-    # head-tail load balancing on only when that buffer's length divides by 2 * cp. So it gets a placeholder of
-    # exactly that length, which it shards and we drop.
-    placeholder = torch.zeros(2 * cp_mesh.size(), device=cp_mesh.device_type)
-    with context_parallel(cp_mesh, buffers=[placeholder], buffer_seq_dims=[0], no_restore_buffers={placeholder}):
-        # Its ring attention must assume the layout shard_sequence makes; a global another caller
-        # (_context_parallel_shard without a load balancer) may have switched off.
-        assert _cp_options.enable_load_balance, "torch's context parallel is not using head-tail load balancing"
-        torch_sdpa = F.scaled_dot_product_attention  # torch's patch: wraps q/k/v as DTensors for its dispatcher
-        yield lambda query, key, value, scale: torch_sdpa(query, key, value, is_causal=True, scale=scale)
-
-
-@contextmanager
-def _sdpa_replaced_by(replacement: Callable[..., Tensor]) -> Iterator[None]:
-    """Monkey-patch F.scaled_dot_product_attention, as torch's own CP dispatch mode does, so the model stays
-    free of parallel code; whatever was there comes back on exit, errors included."""
-    previous = F.scaled_dot_product_attention
-    F.scaled_dot_product_attention = replacement
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = previous
-
-
-def _causal_only(attention: ShardedAttention) -> Callable[..., Tensor]:
-    """F.scaled_dot_product_attention's signature, running `attention` for the causal calls Llama makes."""
-
-    def sharded_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                     dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                     enable_gqa: bool = False) -> Tensor:
-        if attn_mask is not None or dropout_p != 0.0 or not is_causal:
-            raise NotImplementedError(
-                f"Context parallel attention only supports scaled_dot_product_attention(q, k, v, is_causal=True) "
-                f"(got attn_mask={'a tensor' if attn_mask is not None else None}, dropout_p={dropout_p}, "
-                f"is_causal={is_causal}). Set --parallelism.context_parallel_degree 1 for other attention masks.")
-        if enable_gqa:
-            # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
-            # enable_gqa reads them.
-            n_rep = query.size(1) // key.size(1)
-            key, value = expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep)
-        return attention(query, key, value, scale)
-
-    return sharded_sdpa
-
-
-def _build_titan_attention(cp_mesh: DeviceMesh, rotate_method: str) -> ShardedAttention:
-    """Causal attention over head-tail shards with the collectives of `rotate_method`, for any device."""
-    group_name = cp_mesh.get_group().group_name  # a string, so torch.compile can trace the collectives
+    for block in model.layers.values():
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh, rotate_method)
     cp_rank, cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
-    method = _allgather_attention if rotate_method == "allgather" else _ring_attention
 
-    def attention(query: Tensor, key: Tensor, value: Tensor, scale: float | None) -> Tensor:
+    def global_positions(module: nn.Module, args: tuple[Tensor]) -> tuple[Tensor]:
+        local = args[0]  # (local_seq,): the positions 0 .. local_seq - 1 the model asks for
+        return (_positions(cp_rank, cp_degree, local.numel() // 2, local.device),)
+
+    model.rope.register_forward_pre_hook(global_positions)
+    logger.info(f"Applied context parallel over {cp_degree} ranks: each holds 2 of {2 * cp_degree} chunks of every "
+                f"sequence. {describe_cp_path(cp_mesh.device_type, rotate_method)}")
+
+
+class ContextParallelAttention(nn.Module):
+    """Causal attention of this rank's head-tail shards of q (bs, heads, local_seq, head_dim) and k, v (bs, kv_heads,
+    local_seq, head_dim): this rank's rows of causal attention over the whole sequence. Replaces the model's
+    CausalAttention in every block under context parallel."""
+
+    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+        super().__init__()
+        if uses_torch_context_parallel(cp_mesh.device_type):
+            self.kernel = build_torch_ring_attention(cp_mesh, rotate_method)
+        else:
+            self.kernel = TitanRingAttention(cp_mesh, rotate_method)
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
+        # enable_gqa reads them.
+        n_rep = query.size(1) // key.size(1)
+        return self.kernel(query, expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep))
+
+
+class _CausalSDPA(nn.Module):
+    """F.scaled_dot_product_attention(q, k, v, is_causal=True) as a module, for torch's _ContextParallel style."""
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True)
+
+
+def build_torch_ring_attention(cp_mesh: DeviceMesh, rotate_method: str) -> nn.Module:
+    """Causal SDPA wrapped by torch's _ContextParallel style: its hooks make q/k/v DTensors sharded on the sequence
+    (dim 2) and its DTensor dispatcher runs them through ring attention. Imported here: the CUDA path's torch
+    internals are only needed on CUDA."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _ContextParallel,
+        _cp_options,
+        _enable_context_parallel_dispatcher,
+        set_rotate_method,
+    )
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    set_rotate_method(rotate_method)
+    # The ring must assume the layout shard_batch makes: head-tail, which torch calls load balancing.
+    _cp_options.enable_load_balance = True
+    _enable_context_parallel_dispatcher()
+    style = _ContextParallel(seq_dim=2, attention_type=_ContextParallel.AttentionType.SDPA)
+    return parallelize_module(_CausalSDPA(), cp_mesh, style)
+
+
+class TitanRingAttention(nn.Module):
+    """Causal attention over head-tail shards with the collectives of `rotate_method`, for any device."""
+
+    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+        super().__init__()
+        self.group_name = cp_mesh.get_group().group_name  # a string, so torch.compile can trace the collectives
+        self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
+        self.method = _allgather_attention if rotate_method == "allgather" else _ring_attention
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
         assert query.size(2) == key.size(2) and query.size(2) % 2 == 0, "q/k must be head-tail shards of one sequence"
-        scale = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale  # SDPA's default
-        return method(query, key, value, scale, group_name, cp_rank, cp_degree)
-
-    return attention
+        scale = 1.0 / math.sqrt(query.size(-1))  # SDPA's default
+        return self.method(query, key, value, scale, self.group_name, self.cp_rank, self.cp_degree)
 
 
 def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,
@@ -175,7 +182,7 @@ def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float
     query_positions = _positions(cp_rank, cp_degree, chunk_len, query.device)
     key_positions = _gathered_positions(cp_degree, chunk_len, query.device)
     visible = key_positions[None, :] <= query_positions[:, None]  # (local_seq, seq)
-    return _sdpa(query, all_keys, all_values, attn_mask=visible, scale=scale)
+    return F.scaled_dot_product_attention(query, all_keys, all_values, attn_mask=visible, scale=scale)
 
 
 def _ring_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,

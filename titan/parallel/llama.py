@@ -7,6 +7,7 @@ from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Trainin
 from titan.metrics.log import logger
 from titan.parallel.ac import apply_ac, saves_by_op
 from titan.parallel.compile import apply_compile
+from titan.parallel.cp import apply_cp
 from titan.parallel.dims import Meshes, ParallelDims
 from titan.parallel.fsdp import apply_fsdp
 from titan.parallel.tp import apply_tp
@@ -15,14 +16,19 @@ from titan.parallel.tp import apply_tp
 def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
                       ac: ActivationCheckpoint, train: Training, compile_cfg: Compile, keep_attention: bool) -> None:
     """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so
-    later stages see DTensor weights; compile traces the checkpointed block; FSDP wraps last so that each FSDP unit
-    is a final (compiled) block. `keep_attention`: whether checkpointed blocks keep attention outputs on these
-    ranks (titan/parallel/ac.py keeps_attention)."""
+    later stages see DTensor weights; context parallel swaps each block's attention kernel before AC wraps the
+    block; compile traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled)
+    block. `keep_attention`: whether checkpointed blocks keep attention outputs on these ranks
+    (titan/parallel/ac.py keeps_attention)."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
+    if dims.cp_enabled:
+        apply_cp(model, meshes.cp, par.context_parallel_rotate_method)
+    else:
+        logger.info("Context parallel: off (--parallelism.context_parallel_degree 1)")
     if ac.mode != "none":
         apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=keep_attention)
         if keep_attention != ac.save_attention and not saves_by_op(ac.mode, ac.selective_ac_option):

@@ -1,6 +1,8 @@
-"""Pipeline parallel: a meta-built Llama split into stages by FQN, run by a torch.distributed.pipelining schedule."""
+"""Pipeline parallel: a meta-built Llama split into stages by FQN, each stage parallelized like a whole model, and a
+torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is the model)."""
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -8,43 +10,52 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
+from titan.config.job import Parallelism
+from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.model import Transformer
-from titan.parallel.stages import StagePlan, ideal_bubble_fraction, stage_ids
+from titan.models.llama.model import RotaryEmbedding, Transformer
+from titan.parallel.reductions import as_local
+
+# A micro-batch's loss from its logits and labels.
+LossFn = Callable[[Tensor, Tensor], Tensor]
+# Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
+StageExamples = list[tuple[Tensor, Tensor]]
 
 
 class StageModel(nn.Module):
     """The parts of a Transformer that one pipeline stage runs, under the full model's FQNs (layers.<id>,
     tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first stage takes token ids
     (bs, seq), the last returns logits (bs, seq, padded_vocab), the others take and return hidden states
-    (bs, seq, dim). Absent parts are None."""
+    (bs, seq, dim). Absent parts are None. Every stage has its own rotary table, since later stages (context
+    parallel) change which positions a rank's table reads."""
 
-    def __init__(self, args: ModelArgs, rope_cache: Tensor, layers: dict[str, nn.Module],
-                 tok_embeddings: nn.Module | None = None, norm: nn.Module | None = None,
-                 output: nn.Module | None = None) -> None:
+    def __init__(self, args: ModelArgs, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
+                 norm: nn.Module | None = None, output: nn.Module | None = None) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = tok_embeddings
-        self.register_buffer("rope_cache", rope_cache, persistent=False)
+        self.rope = RotaryEmbedding(args)
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
         self.output = output
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        rope = self.rope(self.rope.first_positions(h.shape[1]))  # h: (bs, seq, dim), a DTensor's global shape
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope)
         return self.output(self.norm(h)) if self.output is not None else h
 
 
 def build_stage_models(model: Transformer, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
     """The stages `ids` of `model` (still on meta), sharing its modules: each block goes to exactly one stage."""
     last = plan.num_stages - 1
-    return [StageModel(model.args, model.rope_cache, {str(i): model.layers[str(i)] for i in plan.blocks[stage]},
-                       tok_embeddings=model.tok_embeddings if stage == 0 else None,
-                       norm=model.norm if stage == last else None, output=model.output if stage == last else None)
-            for stage in ids]
+    with torch.device("meta"):
+        return [StageModel(model.args, {str(i): model.layers[str(i)] for i in plan.blocks[stage]},
+                           tok_embeddings=model.tok_embeddings if stage == 0 else None,
+                           norm=model.norm if stage == last else None, output=model.output if stage == last else None)
+                for stage in ids]
 
 
 def merge_stage_models(parts: list[StageModel]) -> StageModel:
@@ -54,33 +65,121 @@ def merge_stage_models(parts: list[StageModel]) -> StageModel:
         return next((getattr(part, name) for part in parts if getattr(part, name) is not None), None)
 
     layers = {layer_id: block for part in parts for layer_id, block in part.layers.items()}
-    return StageModel(parts[0].args, parts[0].rope_cache, layers, tok_embeddings=present("tok_embeddings"),
-                      norm=present("norm"), output=present("output"))
+    merged = StageModel(parts[0].args, layers, tok_embeddings=present("tok_embeddings"), norm=present("norm"),
+                        output=present("output"))
+    merged.rope = parts[0].rope
+    return merged
 
 
-def split_model(model: Transformer, plan: StagePlan, pp_mesh: DeviceMesh, schedule: str) -> tuple[list[StageModel],
-                                                                                                 tuple[int, ...]]:
-    """This rank's stage models and their stage ids."""
-    ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), plan.num_stages, schedule)
-    return build_stage_models(model, plan, ids), ids
+@dataclass
+class Pipeline:
+    """This rank's pipeline stages and the schedule that runs them, forward and backward, over one local batch."""
+
+    parts: list[StageModel]
+    """This rank's stage modules, in pipeline order."""
+    stage_ids: tuple[int, ...]
+    num_stages: int
+    num_microbatches: int
+    schedule_name: str
+    microbatch_loss: LossFn
+    """The loss the last stage computes per micro-batch: the step's loss share divided by the micro-batches."""
+    pp_mesh: DeviceMesh
+    device: torch.device
+    schedule: _PipelineSchedule = field(init=False)
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """One local batch through the schedule, forward and backward: the sum of its micro-batch losses."""
+        return self.run(self.schedule.step, inputs, labels)
+
+    def eval(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """One local batch through the schedule, forward only: the sum of its micro-batch losses."""
+        return self.run(self.schedule.eval, inputs, labels)
+
+    def run(self, run: Callable[..., object], inputs: Tensor, labels: Tensor) -> Tensor:
+        """The first stage takes the inputs, the last the labels and returns the micro-batch losses; ranks without
+        the last stage contribute zero to the global mean."""
+        losses: list[Tensor] = []
+        args = (inputs,) if self.holds_first_stage else ()
+        run(*args, target=labels if self.holds_last_stage else None, losses=losses)
+        if not self.holds_last_stage:
+            return torch.zeros((), device=self.device)
+        return sum(as_local(loss.detach()) for loss in losses)
 
 
-def build_schedule(parts: list[StageModel], ids: tuple[int, ...], num_stages: int, schedule: str,
-                   num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], pp_mesh: DeviceMesh,
-                   device: torch.device, example_io: list[tuple[Tensor, Tensor]] | None = None) -> _PipelineSchedule:
-    """A torch.distributed.pipelining schedule over this rank's stages. Gradients are not rescaled by the schedule
-    (scale_grads=False): loss_fn divides by the microbatch count itself, since the schedule's rescale would also
-    divide gradients kept from earlier accumulation steps. example_io: each stage's (input, output) of one
-    micro-batch, so that the stages need not learn their shapes from their neighbours (a dry run has none); None:
-    torch infers them during the first step."""
-    examples = example_io or [(None, None)] * len(parts)
-    stages = [PipelineStage(part, stage_id, num_stages, device, input_args=example_in, output_args=example_out,
-                            group=pp_mesh.get_group())
-              for part, stage_id, (example_in, example_out) in zip(parts, ids, examples)]
-    schedule_class = get_schedule_class(schedule)
+def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, par: Parallelism, local_batch_size: int,
+                   loss_fn: LossFn, device: torch.device, parallelize: Callable[[nn.Module], None]) -> Pipeline:
+    """Split `model` (on meta) into this rank's stages, parallelize each with `parallelize` (TP, CP, AC, compile,
+    FSDP, as a whole model would be), and build the schedule over them. `loss_fn` is one micro-batch's share of
+    the step's loss before the split into micro-batches, which this divides by their number. The stages learn
+    their neighbours' shapes during the first step (apply_stage_shapes gives them up front)."""
+    schedule_name = par.pipeline_parallel_schedule
+    num_microbatches = local_batch_size // par.pipeline_parallel_microbatch_size
+    num_layers, pp = model.args.n_layers, pp_mesh.size()
+    num_stages = requested_num_stages(num_layers, pp, schedule_name, par.pipeline_parallel_layers_per_stage,
+                                      par.pipeline_parallel_split_points)
+    plan = plan_stages(num_layers, num_stages, par.pipeline_parallel_split_points, pp, schedule_name)
+    log_schedule(plan, schedule_name, pp, num_microbatches, par.pipeline_parallel_microbatch_size)
+    ids = stage_ids(pp_mesh.get_local_rank(), pp, num_stages, schedule_name)
+    parts = build_stage_models(model, plan, ids)
+    for part in parts:
+        parallelize(part)
+
+    def microbatch_loss(logits: Tensor, labels: Tensor) -> Tensor:
+        return loss_fn(logits, labels) / num_microbatches
+
+    pipeline = Pipeline(parts=parts, stage_ids=ids, num_stages=num_stages, num_microbatches=num_microbatches,
+                        schedule_name=schedule_name, microbatch_loss=microbatch_loss, pp_mesh=pp_mesh, device=device)
+    pipeline.schedule = build_schedule(pipeline, example_io=None)
+    return pipeline
+
+
+def build_schedule(pipeline: Pipeline, example_io: StageExamples | None) -> _PipelineSchedule:
+    """A torch.distributed.pipelining schedule over the pipeline's stages. Gradients are not rescaled by the
+    schedule (scale_grads=False): the micro-batch loss divides by the micro-batch count itself, since the schedule's
+    rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's (input,
+    output) of one micro-batch, so that the stages need not learn their shapes from their neighbours; None: torch
+    infers them during the first step."""
+    examples = example_io or [(None, None)] * len(pipeline.parts)
+    stages = [PipelineStage(part, stage_id, pipeline.num_stages, pipeline.device, input_args=example_in,
+                            output_args=example_out, group=pipeline.pp_mesh.get_group())
+              for part, stage_id, (example_in, example_out) in zip(pipeline.parts, pipeline.stage_ids, examples)]
+    schedule_class = get_schedule_class(pipeline.schedule_name)
     if issubclass(schedule_class, PipelineScheduleSingle):
-        return schedule_class(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    return schedule_class(stages, n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule_class(stages[0], n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.microbatch_loss,
+                              scale_grads=False)
+    return schedule_class(stages, n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.microbatch_loss,
+                          scale_grads=False)
+
+
+def apply_stage_shapes(pipeline: Pipeline, example_io: StageExamples) -> None:
+    """Rebuild the pipeline's schedule over the same stages, telling each stage its shapes instead of letting it
+    learn them from the neighbouring ranks in the first step: for a rank that has no neighbours to ask (a dry run's
+    fake process group)."""
+    pipeline.schedule = build_schedule(pipeline, example_io)
+    declare_static_shapes(pipeline.schedule)
+
+
+def declare_static_shapes(schedule: _PipelineSchedule) -> None:
+    """torch 2.13's schedules vote over point-to-point sends whether every stage was given its shapes (static) or
+    must infer them; without peers to vote with, this rank's stages, which were given theirs, are declared static
+    directly. torch 2.11 and 2.12 have no vote and skip inference for stages given their shapes."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def declare_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = declare_static
 
 
 def log_schedule(plan: StagePlan, schedule: str, pp: int, num_microbatches: int, microbatch_size: int) -> None:

@@ -1,6 +1,7 @@
 """Tensor parallel for Llama with DTensor: Megatron column/row splits, sequence parallel on the norms, and a
 loss computed on vocab-sharded logits."""
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -89,3 +91,9 @@ def build_vocab_sharded_loss(vocab_size: int, padded_vocab: int, tp_mesh: Device
         return F.cross_entropy(masked.flatten(0, 1), labels.flatten(0, 1))
 
     return loss_fn
+
+
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's loss_parallel() when the loss takes vocab-sharded logits (build_vocab_sharded_loss): the loss and its
+    backward must both run inside it."""
+    return loss_parallel() if enabled else contextlib.nullcontext()

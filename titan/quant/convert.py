@@ -1,6 +1,6 @@
-"""Model converters: swap eligible nn.Linear layers for low-precision ones, and report why each layer was
-converted or kept. A layer a recipe cannot handle is skipped here, with its reason, never left to fail
-inside a kernel."""
+"""Model converters: swap eligible nn.Linear layers for low-precision ones, report why each layer was converted or
+kept, and say what the converted model needs at each step. A layer a recipe cannot handle is skipped here, with its
+reason, never left to fail inside a kernel."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -10,6 +10,7 @@ from torch import nn
 from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
 from titan.metrics.log import logger
+from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.formats import MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
@@ -139,9 +140,27 @@ def format_report(decisions: list[LayerDecision]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """What apply_converters did to a model, and what the converted model needs after each optimizer step."""
+
+    decisions: list[LayerDecision]
+    precompute_float8_scales: bool
+    """Whether the float8 weights that FSDP all-gathers get their global amaxes in one all-reduce after each
+    optimizer step (--float8.precompute_float8_dynamic_scale_for_fsdp), instead of one per weight at each
+    all-gather."""
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """The per-step work of the converted layers of `model` (this rank's share), after optimizer.step()."""
+        if self.precompute_float8_scales:
+            precompute_float8_scales(model)
+
+
 def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx: MX, tp_degree: int,
-                     print_after_conversion: bool) -> list[LayerDecision]:
-    """Run each converter named in --model.converters on `model` (on the meta device) and log the report."""
+                     fsdp_enabled: bool, print_after_conversion: bool) -> Conversion:
+    """Run each converter named in --model.converters on `model` (on the meta device) and log the report. With
+    `fsdp_enabled` and --float8.enable_fsdp_float8_all_gather, FSDP (applied later) all-gathers the float8 weights
+    in float8."""
     if "float8" in converters and "mx" in converters:
         check_disjoint_converters(model, float8, mx, tp_degree)
     decisions: list[LayerDecision] = []
@@ -152,6 +171,10 @@ def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx
     decisions = merge_decisions(decisions)
     if decisions:
         logger.info(f"Model conversion report:\n{format_report(decisions)}")
+    float8_all_gather = "float8" in converters and float8.enable_fsdp_float8_all_gather and fsdp_enabled
+    if float8_all_gather:
+        apply_float8_all_gather(model)
     if print_after_conversion:
         logger.info(f"Model after conversion:\n{model}")
-    return decisions
+    return Conversion(decisions, precompute_float8_scales=float8_all_gather
+                      and float8.precompute_float8_dynamic_scale_for_fsdp)

@@ -5,7 +5,7 @@ import math
 
 from torch import nn
 
-from titan.config.errors import EXIT_DIVERGED, KnownStop
+from titan.exits import EXIT_DIVERGED, KnownStop
 
 
 class NonFiniteLossError(KnownStop):

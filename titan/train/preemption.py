@@ -26,10 +26,9 @@ import torch
 import torch.distributed as dist
 
 from titan.checkpoint.dcp import Checkpointer, TrainState, step_folder
-from titan.config.errors import EXIT_STOPPED_EARLY, KnownStop
+from titan.config.domain import parse_duration
 from titan.config.job import Checkpoint, Comm, Job
-from titan.config.validate import parse_duration
-from titan.exits import STOP_SIGNALS
+from titan.exits import EXIT_STOPPED_EARLY, STOP_SIGNALS, KnownStop
 from titan.metrics.log import current_rank, logger
 from titan.metrics.sinks import format_duration
 from titan.parallel.dims import Meshes, set_collective_timeout

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from titan.config.errors import EXIT_HUNG
-from titan.exits import announce_stop
+from titan.exits import EXIT_HUNG, announce_stop
 from titan.metrics.log import logger
 
 PEER_DUMP_WAIT = timedelta(seconds=10)

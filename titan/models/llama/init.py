@@ -36,14 +36,14 @@ def init_block(block: TransformerBlock, output_std: float) -> None:
 
 def init_weights(model: nn.Module, buffer_device: torch.device | str | None = None) -> None:
     """Fill every parameter of a Transformer, or of a module holding some of its parts under the same names
-    (tok_embeddings, layers, norm, output; absent parts are None), and rebuild the rotary table on buffer_device
-    (None: where rope_cache is now).
+    (tok_embeddings, rope, layers, norm, output; absent parts are None), and rebuild the rotary table on
+    buffer_device (None: where it is now).
 
     Embeddings get std 1: they feed an RMSNorm, so their scale only sets the residual stream's.
     The output layer gets std dim**-0.5, so initial logits have about unit variance.
     """
-    with torch.device(buffer_device or model.rope_cache.device):
-        model.rope_cache = precompute_rope_cache(model.args)
+    with torch.device(buffer_device or model.rope.cache.device):
+        model.rope.cache = precompute_rope_cache(model.args)
     if model.tok_embeddings is not None:
         nn.init.normal_(model.tok_embeddings.weight)
     # Keys, not positions, give the layer id: they stay the original ids even if the ModuleDict is edited.

@@ -46,9 +46,29 @@ def precompute_rope_cache(args: ModelArgs) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1)  # (max_seq_len, head_dim // 2, 2)
 
 
+class RotaryEmbedding(nn.Module):
+    """The rotary table of precompute_rope_cache, read by token position. A module of its own so that a later stage
+    can change which positions a rank's tokens have (context parallel does)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        # Not persistent: it is a function of args, so checkpoints needn't carry it; init_weights rebuilds it.
+        self.register_buffer("cache", precompute_rope_cache(args), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """positions (seq,) -> their rows of the table, (seq, head_dim // 2, 2)."""
+        return self.cache[positions]
+
+    def first_positions(self, seq: int) -> Tensor:
+        """Positions 0 .. seq - 1, where the table lives: the positions of a sequence's tokens."""
+        return torch.arange(seq, device=self.cache.device)
+
+
 def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
     """Rotate each channel pair (2i, 2i+1) of x (bs, seq, heads, head_dim) by its position's angle, in fp32:
-    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals."""
+    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals. rope_cache holds the
+    rows of x's positions first: RotaryEmbedding's output, or a whole table for positions 0 .. seq - 1."""
     bs, seq, heads, head_dim = x.shape
     # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
     first, second = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
@@ -58,14 +78,21 @@ def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
     return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
 
 
-def grouped_query_attention(q: Tensor, k: Tensor, v: Tensor, n_rep: int) -> Tensor:
-    """Causal attention of q (bs, heads, seq, head_dim) over k, v (bs, heads // n_rep, seq, head_dim): query head h
-    reads kv head h // n_rep. SDPA's enable_gqa reads the kv heads in place, where expanding them copies n_rep
-    times their size. On CUDA only the flash kernel takes enable_gqa, and only in fp16/bf16: there an fp32 call
-    would fall back to SDPA's slow math kernel, so fp32 expands the kv heads for the memory-efficient kernel."""
-    if n_rep == 1 or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
-    return F.scaled_dot_product_attention(q, expand_kv_heads(k, n_rep), expand_kv_heads(v, n_rep), is_causal=True)
+class CausalAttention(nn.Module):
+    """Causal attention of q (bs, heads, seq, head_dim) over k, v (bs, kv_heads, seq, head_dim): query head h reads
+    kv head h // (heads // kv_heads). A module of its own, with no parameters, so that a later stage can wrap or
+    replace the attention kernel alone (context parallel does).
+
+    SDPA's enable_gqa reads the kv heads in place, where expanding them copies heads // kv_heads times their size.
+    On CUDA only the flash kernel takes enable_gqa, and only in fp16/bf16: there an fp32 call would fall back to
+    SDPA's slow math kernel, so fp32 expands the kv heads for the memory-efficient kernel."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n_rep = q.size(1) // k.size(1)  # a ratio of local counts: sharding heads divides both by the same degree
+        if n_rep == 1 or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
+        return F.scaled_dot_product_attention(q, expand_kv_heads(k, n_rep), expand_kv_heads(v, n_rep),
+                                              is_causal=True)
 
 
 def expand_kv_heads(x: Tensor, n_rep: int) -> Tensor:
@@ -82,12 +109,11 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.head_dim = args.dim // args.n_heads
-        # The ratio, not the counts: sharding heads divides both counts by the same degree.
-        self.n_rep = args.n_heads // args.n_kv_heads
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = CausalAttention()
 
     def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
         bs, seq, _ = x.shape
@@ -96,7 +122,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
-        out = grouped_query_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.n_rep)
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         out = out.transpose(1, 2).reshape(bs, seq, -1)  # (bs, seq, local_heads * head_dim)
         return self.wo(out)
 
@@ -143,8 +169,7 @@ class Transformer(nn.Module):
         self.vocab_size = args.vocab_size
         padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
         self.tok_embeddings = nn.Embedding(padded_vocab, args.dim)
-        # Not persistent: it is a function of args, so checkpoints needn't carry it; init_weights rebuilds it.
-        self.register_buffer("rope_cache", precompute_rope_cache(args), persistent=False)
+        self.rope = RotaryEmbedding(args)
         self.layers = nn.ModuleDict({str(layer_id): TransformerBlock(args) for layer_id in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, padded_vocab, bias=False)
@@ -152,10 +177,19 @@ class Transformer(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, padded_vocab)."""
         h = self.tok_embeddings(tokens)  # (bs, seq, dim)
+        rope = self.rope(self.rope.first_positions(tokens.size(1)))
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, rope)
         return self.output(self.norm(h))
 
     def user_logits(self, tokens: Tensor) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""
         return self(tokens)[..., : self.vocab_size]
+
+
+def linear_fqns(args: ModelArgs) -> list[str]:
+    """FQNs of the linear layers of a model of `args`, from a build on the meta device (no memory, a few ms even
+    for 405B): what a converter's --*.filter_fqns entries are matched against."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]

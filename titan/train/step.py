@@ -1,0 +1,273 @@
+"""What a training step runs on, built in the pipeline's order, and the step itself.
+
+build_training_step goes from the device mesh to the optimizer: model args, the loss, the model built on meta,
+converters, pipeline stages, TP/CP/AC/compile/FSDP (titan/parallel/llama.py), weights, optimizer and LR schedule.
+The trainer (titan/train/trainer.py) builds it and adds data, checkpoints and metrics around it; the dry run
+(titan/estimate/simulate.py) builds the same on fake tensors. A stage added here is in both.
+"""
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan.config.dtypes import to_dtype
+from titan.config.job import JobConfig, Training
+from titan.metrics.log import logger
+from titan.models.llama.args import ModelArgs, build_model_args, padded_vocab_size
+from titan.models.llama.flops import flops_per_token, num_params
+from titan.models.llama.init import init_weights
+from titan.models.llama.loss import cross_entropy_loss
+from titan.models.llama.model import Transformer
+from titan.parallel.ac import keeps_attention
+from titan.parallel.compile import compile_loss
+from titan.parallel.cp import shard_batch
+from titan.parallel.dims import Meshes, ParallelDims, build_meshes
+from titan.parallel.init import apply_full_init, needs_full_init
+from titan.parallel.llama import parallelize_llama
+from titan.parallel.pp import Pipeline, build_pipeline, merge_stage_models
+from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
+from titan.parallel.tp import build_vocab_sharded_loss, loss_parallel_context
+from titan.quant.convert import Conversion, apply_converters
+from titan.train.lr import build_lr_scheduler
+from titan.train.optim import build_optimizer
+
+# A batch's mean token loss from its logits (bs, seq, padded_vocab) and labels (bs, seq).
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def set_seed(seed: int, deterministic: bool) -> None:
+    """Same seed, same weights and same losses on CPU; deterministic also pins GPU kernels."""
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """This rank's model after the build, and the facts about the whole model that metrics and checkpoints need."""
+
+    args: ModelArgs
+    parts: list[nn.Module]
+    """The modules this rank runs: its pipeline stages in order, or the whole model as one part."""
+    model: nn.Module
+    """This rank's whole share by FQN (every part's parameters): what the optimizer, checkpoints and grad norm see."""
+    pipeline: Pipeline | None
+    """The schedule over the parts, under pipeline parallel."""
+    conversion: Conversion
+    fqns: frozenset[str]
+    """The whole model's parameter FQNs, on every rank."""
+    num_params: int
+    """Parameters of the whole model."""
+    flops_per_token: int
+
+
+@dataclass
+class TrainingStep:
+    """One rank's model, loss and optimizer, and one training step over them: forward and backward over the
+    accumulation micro-batches, the global gradient norm with clipping, and the optimizer and LR-schedule step."""
+
+    train_cfg: Training
+    dims: ParallelDims
+    meshes: Meshes | None
+    device: torch.device
+    model_parts: ModelParts
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler
+    grad_accumulation_steps: int
+    loss_parallel: bool
+    """The loss takes vocab-sharded logits (TP without --parallelism.disable_loss_parallel)."""
+
+    @property
+    def model(self) -> nn.Module:
+        return self.model_parts.model
+
+    @property
+    def global_tokens_per_step(self) -> int:
+        t = self.train_cfg
+        return t.local_batch_size * t.seq_len * self.grad_accumulation_steps * self.dims.dp_degree
+
+    def compute_gradients(self, batches: Iterator[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        """Forward and backward over the step's accumulation micro-batches from `batches`, then clip: (the sum of
+        this rank's micro-batch losses, the global gradient norm before clipping)."""
+        loss_sum_local = torch.zeros((), device=self.device)
+        for inputs, labels in itertools.islice(batches, self.grad_accumulation_steps):
+            loss_sum_local += self.forward_backward(inputs, labels)
+        pp_mesh = self.meshes.pp if self.dims.pp_enabled else None
+        return loss_sum_local, clip_grad_norm_(self.model.parameters(), self.train_cfg.max_norm, pp_mesh)
+
+    def forward_backward(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """One local batch, forward and backward: its loss divided by the accumulation steps, detached (the sum of
+        its micro-batch losses under pipeline parallel, zero on ranks without the last stage)."""
+        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
+        with loss_parallel_context(self.loss_parallel):
+            if self.model_parts.pipeline is not None:
+                with self.autocast():
+                    return self.model_parts.pipeline.step(inputs, labels)
+            with self.autocast():
+                logits = self.model(inputs)
+            loss = self.loss_fn(logits, labels) / self.grad_accumulation_steps
+            loss.backward()
+        return as_local(loss.detach())
+
+    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """One validation batch's mean token loss, forward only (zero on ranks without the last pipeline stage)."""
+        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
+        with loss_parallel_context(self.loss_parallel):
+            if self.model_parts.pipeline is not None:
+                # The pipeline's micro-batch losses are divided by the micro-batches and accumulation steps
+                # (build_training_step), so they add up to the batch mean over accumulation steps.
+                with self.autocast():
+                    return self.model_parts.pipeline.eval(inputs, labels) * self.grad_accumulation_steps
+            with self.autocast():
+                logits = self.model(inputs)
+            return as_local(self.loss_fn(logits, labels))
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Mixed precision without FSDP: matmuls in --training.mixed_precision_param (FSDP casts parameters
+        itself, following the same field)."""
+        dtype = to_dtype(self.train_cfg.mixed_precision_param)
+        if dtype == torch.float32 or self.dims.dp_enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    def apply_update(self) -> None:
+        """The optimizer and LR-schedule step of the gradients just computed, and what converted layers need
+        after it."""
+        self.optimizer.step()
+        self.model_parts.conversion.after_optimizer_step(self.model)
+        self.lr_scheduler.step()
+
+    def global_mean(self, local_loss: Tensor) -> Tensor:
+        """The loss over the whole global batch: the mean over data-parallel and context-parallel ranks of their
+        losses, which only the last pipeline stage has. Every rank then sees the same value, so all stop together
+        on a non-finite one."""
+        return self.global_sum(local_loss) / self.num_loss_shares
+
+    def global_sum(self, local_loss: Tensor) -> Tensor:
+        """`local_loss` added up over the ranks that hold loss shares, on every rank."""
+        return loss_sum(local_loss, self.meshes.loss if self.meshes is not None else None)
+
+    @property
+    def num_loss_shares(self) -> int:
+        """Ranks whose losses make up the global mean: data x context parallel."""
+        return self.dims.dp_degree * self.dims.cp
+
+
+def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,
+                        fake_mode: FakeTensorMode | None = None) -> TrainingStep:
+    """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
+    its process group. `fake_mode`: the dry run's fake tensors, from the weights on (titan/estimate/simulate.py).
+    There the weights get storage but no values (trunc_normal_ reads data, which fake tensors have none of), and
+    torch.compile stays off (it runs real kernels), while checkpointed blocks keep attention as the simulated GPU
+    rank would with the requested compile setting."""
+    meshes = build_meshes(dims, device)
+    set_seed(cfg.training.seed, cfg.training.deterministic and fake_mode is None)
+    training = cfg.training if fake_mode is None else replace(cfg.training, compile=False)
+    args = build_model_args(cfg.model.flavor, vocab_size, cfg.model.vocab_size_multiple_of, cfg.training.seq_len)
+    accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
+    loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
+    loss_fn = build_loss_fn(args, training, meshes.tp if loss_parallel else None)
+    keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.training.compile,
+                                     on_gpu=device.type == "cuda" or fake_mode is not None)
+    parallelize = functools.partial(parallelize_llama, dims=dims, meshes=meshes, par=cfg.parallelism,
+                                    ac=cfg.activation_checkpoint, train=training, compile_cfg=cfg.compile,
+                                    keep_attention=keep_attention)
+    model_parts = build_model(cfg, dims, meshes, args, device, parallelize,
+                              lambda logits, labels: loss_fn(logits, labels) / accumulation_steps)
+    with fake_mode or contextlib.nullcontext():
+        if fake_mode is None:
+            init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled)
+        else:
+            for part in model_parts.parts:
+                part.to_empty(device=device)
+        model_parts.model.train()
+        optimizer = build_optimizer(model_parts.model, cfg.optimizer)
+        lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
+    return TrainingStep(train_cfg=training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
+                        loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel)
+
+
+def count_accumulation_steps(training: Training, dp_degree: int) -> int:
+    """Micro-batches per optimizer step: global batch / (local batch x data-parallel degree)."""
+    if training.global_batch_size == -1:
+        return 1
+    steps = training.global_batch_size // (training.local_batch_size * dp_degree)
+    logger.info(f"Global batch {training.global_batch_size}: {steps} gradient accumulation steps of "
+                f"{training.local_batch_size} sequences on each of {dp_degree} data-parallel ranks")
+    return steps
+
+
+def build_loss_fn(args: ModelArgs, training: Training, loss_parallel_mesh: DeviceMesh | None) -> LossFn:
+    """Cross entropy over the real vocab: on vocab-sharded logits under loss parallel (over `loss_parallel_mesh`,
+    the TP mesh), compiled under --training.compile, else in chunks of --training.loss_chunk_size."""
+    if loss_parallel_mesh is not None:
+        padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
+        return functools.partial(build_vocab_sharded_loss(args.vocab_size, padded_vocab, loss_parallel_mesh),
+                                 vocab_size=args.vocab_size)
+    if training.compile:
+        return functools.partial(compile_loss(cross_entropy_loss), vocab_size=args.vocab_size)
+    return functools.partial(cross_entropy_loss, vocab_size=args.vocab_size, chunk_size=training.loss_chunk_size)
+
+
+def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, args: ModelArgs, device: torch.device,
+                parallelize: Callable[[nn.Module], None], step_loss: LossFn) -> ModelParts:
+    """The model built on meta, converted, split into this rank's pipeline stages (with the schedule, whose last
+    stage computes `step_loss` per micro-batch) and parallelized; not yet materialised."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    total_params = num_params(model, exclude_embedding=False)
+    logger.info(f"Model llama3 {cfg.model.flavor}: {total_params:,} parameters, dim {args.dim}, {args.n_layers} "
+                f"layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab_size} (padded to "
+                f"{model.tok_embeddings.num_embeddings})")
+    fqns = frozenset(fqn for fqn, _ in model.named_parameters())
+    flops = flops_per_token(args, num_params(model, exclude_embedding=True), cfg.training.seq_len)
+    conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, dims.tp,
+                                  fsdp_enabled=dims.dp_enabled, print_after_conversion=cfg.model.print_after_conversion)
+    if dims.pp_enabled:
+        pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, step_loss, device,
+                                  parallelize)
+        parts, whole = pipeline.parts, merge_stage_models(pipeline.parts)
+    else:
+        parallelize(model)
+        pipeline, parts, whole = None, [model], model
+    return ModelParts(args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion, fqns=fqns,
+                      num_params=total_params, flops_per_token=flops)
+
+
+def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int, pipelined: bool) -> None:
+    """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
+    parts = model_parts.parts
+    if needs_full_init(parts[0], device, pipelined):
+        full = build_full_model(model_parts.args, device, seed)
+        for part in parts:
+            part.to_empty(device=device)
+            apply_full_init(part, full)
+    else:
+        for part in parts:
+            materialize(part, device)
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-built model on the device and fill it with init_weights."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        init_weights(model, buffer_device=device)
+
+
+def build_full_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
+    """An unsharded copy initialised exactly as a single process would initialise it."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        full = Transformer(args)
+    materialize(full, device)
+    return full
