@@ -1,6 +1,7 @@
-"""Run a few Titan train steps under torchrun and save the losses and final full weights, for parity tests.
+"""Run a few Titan train steps under torchrun and save the losses and final full weights, for parity tests: every
+case of one world size in one launch (tests/torchrun.py run_cases).
 
-    torchrun --nproc_per_node 2 tests/parallel_harness.py OUT.pt [titan flags]
+    torchrun --nproc_per_node 2 tests/parallel_harness.py FOLDER CASES.json
 
 The whole pipeline is Titan's own (data, parallelize, init, loss, clipping, optimizer). A reference run for D
 data-parallel ranks of batch B is one process of batch B x D: the data order is global, so it trains on exactly
@@ -8,7 +9,6 @@ the global batches the D ranks see. Under FSDP it also saves what one more forwa
 each rank sent into all-gathers.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
-from torchrun import finish_rank  # noqa: E402
+from torchrun import finish_rank, run_each_case  # noqa: E402
 
 
 class AllGatherBytes(TorchDispatchMode):
@@ -55,10 +55,9 @@ def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
                                          if isinstance(module, Float8Linear))}
 
 
-def main() -> None:
-    out, flags = sys.argv[1], sys.argv[2:]
-    init_logger()
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+def run_case(flags: list[str], world_size: int) -> dict:
+    """The losses of the job `flags`, its final full weights, its validation loss and, under FSDP alone, what one
+    more forward put on the wire."""
     trainer = Trainer(load_job_config(flags, world_size), world_size)
     data = iter(trainer.dataloader)
     losses = []
@@ -80,14 +79,14 @@ def main() -> None:
     if trainer.validation_batches is not None:
         # Evaluation under the same layout: the held-out loss of the trained weights, the same on every layout.
         result["val_loss"] = trainer.run_validation().loss
-    # A pipeline has no single forward to record; context parallel forwards only inside its attention context.
+    # A pipeline has no single forward to record, and under context parallel a forward takes the tokens' CP shard.
     if trainer.dims.dp_shard > 1 and not (trainer.dims.pp_enabled or trainer.dims.cp_enabled):
         result.update(forward_wire_record(trainer, next(data)[0]))
-    if trainer.rank == 0:
-        torch.save(result, out)
-    destroy_distributed(wait_for_peers=True)
+    return result
 
 
 if __name__ == "__main__":
-    main()
+    init_logger()
+    run_each_case(run_case)
+    destroy_distributed(wait_for_peers=True)
     finish_rank()

@@ -19,7 +19,7 @@ from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gath
 from titan.quant.float8.gathered import Float8GatheredWeight
 from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear, cast_operand
 from titan.quant.formats import E4M3
-from torchrun import run_torchrun
+from torchrun import run_cases, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -117,12 +117,10 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
              "--parallelism.data_parallel_shard_degree", "2", "--model.converters", "float8", "--float8.filter_fqns"]
     all_gather = ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
-    runs = {}
-    for name, extra in (("high_precision", []), ("float8", all_gather)):
-        run_torchrun("parallel_harness.py", WORLD_SIZE, str(tmp_path / f"{name}.pt"), *flags,
-                     "--job.dump_folder", str(tmp_path / name), *extra)
-        runs[name] = torch.load(tmp_path / f"{name}.pt")
-    return runs
+    results = run_cases("parallel_harness.py", WORLD_SIZE, tmp_path, {
+        name: [*flags, "--job.dump_folder", str(tmp_path / name), *extra]
+        for name, extra in (("high_precision", []), ("float8", all_gather))})
+    return {name: results[name] for name in ("high_precision", "float8")}
 
 
 def test_trainer_float8_all_gather_matches_high_precision(trainer_runs: dict[str, dict]) -> None:

@@ -17,7 +17,7 @@ from titan.parallel.dims import resolve_dims
 from titan.parallel.llama import parallelize_llama
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
-from torchrun import run_torchrun
+from torchrun import CaseResults, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -29,18 +29,94 @@ BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--trai
         "--validation.enable", "--validation.steps", "2"]
 
 
-def run_harness(tmp_path: Path, name: str, nprocs: int, *flags: str) -> dict:
-    out = tmp_path / f"{name}.pt"
-    run_torchrun("parallel_harness.py", nprocs, str(out), *BASE, "--job.dump_folder",
-                 str(tmp_path / name), *flags)
-    return torch.load(out)
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+# The output layer converts too (it is TP-sharded). Emulated: the same quantization with fp32 matmuls, since CPU
+# float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
+FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns"]
+MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
+ACCUMULATE = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
+PIPELINE_SCHEDULES = {
+    "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
+    "1F1B": [],
+    "Interleaved1F1B": [],  # 4 stages of 1, 2, 2, 1 blocks; rank 0 runs stages 0 and 2
+    "InterleavedZeroBubble": [],
+    # A V: rank 0 runs stages 0 and 3, so it computes the loss. torch's V schedule has no forward-only pass
+    # (config/validate.py), so ZBV trains without evaluating.
+    "ZBVZeroBubble": ["--validation.no_enable"],
+}
+# Low-precision layouts on 2 processes: name -> (flags, step 1's relative tolerance, the one-process reference with
+# the same converter); see test_low_precision_under_fsdp_tp_and_cp.
+LOW_PRECISION = {
+    # Each FSDP rank scales its activations by the amax of its own 2 sequences, the reference by that of all 4; on
+    # these batches that moves step 1 by 2.7e-4 relative.
+    "fsdp2_float8": (["--training.local_batch_size", "2", *FSDP2, *FLOAT8], 1e-3, "ref_float8"),
+    "tp2_float8": (["--training.local_batch_size", "4", *TP2, *FLOAT8], 1e-5, "ref_float8"),
+    "fsdp2_mx": (["--training.local_batch_size", "2", *FSDP2, *MX], 1e-5, "ref_mx"),
+    "tp2_mx": (["--training.local_batch_size", "4", *TP2, *MX], 1e-5, "ref_mx"),
+    # Each CP rank scales its activations by the amax of its own half of every sequence (as torchao does: no
+    # all-reduce per linear), so float8 rounding differs from step 1 on; measured 1.5e-4 relative.
+    "cp2_float8": (["--training.local_batch_size", "4", *CP2, *FLOAT8], 1e-3, "ref_float8"),
+}
+
+# Every layout run, by world size: each world size's cases share one launch (tests/torchrun.py run_cases).
+ONE_PROCESS = {
+    # The global batch of 4 sequences. The data order is global, so it is also the global batch of 2 data-parallel
+    # ranks of 2 sequences each (and each low-precision layout's local batch x data-parallel degree).
+    "ref": ["--training.local_batch_size", "4"],
+    "ref_accumulate": ACCUMULATE,
+    "ref_float8": ["--training.local_batch_size", "4", *FLOAT8],
+    "ref_mx": ["--training.local_batch_size", "4", *MX],
+}
+TWO_PROCESSES = {
+    "fsdp2": ["--training.local_batch_size", "2", *FSDP2],
+    "hsdp2": ["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.data_parallel_shard_degree", "1"],
+    "tp2": ["--training.local_batch_size", "4", *TP2],
+    # Checkpointed blocks keep their attention and reduce-scatter outputs (save_attention) on DTensors.
+    "tp2_full_ac": ["--training.local_batch_size", "4", *TP2, "--activation_checkpoint.mode", "full"],
+    "tp2_gathered": ["--training.local_batch_size", "4", *TP2, "--parallelism.disable_loss_parallel"],
+    "tp2_compiled": ["--training.local_batch_size", "4", *TP2, "--training.compile"],
+    **{f"pp2_{schedule}": ["--training.local_batch_size", "4", *PP2, "--parallelism.pipeline_parallel_schedule",
+                           schedule, *flags] for schedule, flags in PIPELINE_SCHEDULES.items()},
+    "pp2_accumulate": [*ACCUMULATE, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"],
+    **{f"cp2_{method}": ["--training.local_batch_size", "4", *CP2, "--parallelism.context_parallel_rotate_method",
+                         method] for method in ("allgather", "alltoall")},
+    "pp2_compiled_full_ac": ["--training.local_batch_size", "4", "--training.compile", *PP2,
+                             "--activation_checkpoint.mode", "full"],
+    "cp2_compiled_selective_ac": ["--training.local_batch_size", "4", "--training.compile", *CP2,
+                                  "--activation_checkpoint.mode", "selective"],
+    **{name: flags for name, (flags, _, _) in LOW_PRECISION.items()},
+}
+FOUR_PROCESSES = {
+    "fsdp2_tp2": ["--training.local_batch_size", "2", *FSDP2, *TP2],
+    "pp2_fsdp2": ["--training.local_batch_size", "2", *PP2, *FSDP2],
+    "pp2_tp2": ["--training.local_batch_size", "4", *PP2, *TP2],
+    # FSDP shards over dp_shard x cp = 4 ranks; the loss averages over dp x cp.
+    "cp2_fsdp2": ["--training.local_batch_size", "2", *CP2, *FSDP2],
+}
+
+
+def run_layouts(folder: Path, nprocs: int, cases: dict[str, list[str]]) -> CaseResults:
+    return run_cases("parallel_harness.py", nprocs, folder, {
+        name: [*BASE, "--job.dump_folder", str(folder / name), *flags] for name, flags in cases.items()})
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """One process with the global batch of 4 sequences. The data order is global, so it is also the global batch of
-    2 data-parallel ranks of 2 sequences each."""
-    return run_harness(tmp_path_factory.mktemp("ref"), "ref", 1, "--training.local_batch_size", "4")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    return run_layouts(tmp_path_factory.mktemp("one"), 1, ONE_PROCESS)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    return run_layouts(tmp_path_factory.mktemp("two"), 2, TWO_PROCESSES)
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+    return run_layouts(tmp_path_factory.mktemp("four"), 4, FOUR_PROCESSES)
 
 
 def assert_same_run(got: dict, ref: dict, evaluated: bool = True) -> None:
@@ -56,180 +132,126 @@ def assert_same_run(got: dict, ref: dict, evaluated: bool = True) -> None:
     assert ref["losses"][-1] < ref["losses"][0]
 
 
-@pytest.mark.parametrize("name, nprocs, flags", [
-    ("fsdp2", 2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    ("hsdp2", 2, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]),
-])
-def test_data_parallel_matches_one_process(tmp_path: Path, reference: dict, name: str, nprocs: int,
-                                           flags: list[str]) -> None:
-    got = run_harness(tmp_path, name, nprocs, "--training.local_batch_size", "2", *flags)
-    assert_same_run(got, reference)
+@pytest.mark.parametrize("name", ["fsdp2", "hsdp2"])
+def test_data_parallel_matches_one_process(one_process: CaseResults, two_processes: CaseResults, name: str) -> None:
+    assert_same_run(two_processes[name], one_process["ref"])
 
 
-@pytest.mark.parametrize("name, flags", [
-    ("tp2", []),
-    # Checkpointed blocks keep their attention and reduce-scatter outputs (save_attention) on DTensors.
-    ("tp2_full_ac", ["--activation_checkpoint.mode", "full"]),
-])
-def test_tensor_parallel_matches_one_process(tmp_path: Path, reference: dict, name: str, flags: list[str]) -> None:
-    got = run_harness(tmp_path, name, 2, "--training.local_batch_size", "4",
-                      "--parallelism.tensor_parallel_degree", "2", *flags)
-    assert_same_run(got, reference)
+@pytest.mark.parametrize("name", ["tp2", "tp2_full_ac"])
+def test_tensor_parallel_matches_one_process(one_process: CaseResults, two_processes: CaseResults,
+                                             name: str) -> None:
+    assert_same_run(two_processes[name], one_process["ref"])
 
 
-def test_tensor_parallel_without_loss_parallel(tmp_path: Path, reference: dict) -> None:
-    got = run_harness(tmp_path, "tp2_gathered", 2, "--training.local_batch_size", "4",
-                      "--parallelism.tensor_parallel_degree", "2", "--parallelism.disable_loss_parallel")
-    assert_same_run(got, reference)
+def test_tensor_parallel_without_loss_parallel(one_process: CaseResults, two_processes: CaseResults) -> None:
+    assert_same_run(two_processes["tp2_gathered"], one_process["ref"])
 
 
-def test_compiled_tensor_parallel_matches_one_process(tmp_path: Path, reference: dict) -> None:
+def test_compiled_tensor_parallel_matches_one_process(one_process: CaseResults, two_processes: CaseResults) -> None:
     """Compiled blocks under TP: the layout in which a plain-tensor residual stream broke gradients."""
-    got = run_harness(tmp_path, "tp2_compiled", 2, "--training.local_batch_size", "4",
-                      "--parallelism.tensor_parallel_degree", "2", "--training.compile")
-    assert_same_run(got, reference)
+    assert_same_run(two_processes["tp2_compiled"], one_process["ref"])
 
 
-def test_fsdp_and_tp_on_four_processes(tmp_path: Path, reference: dict) -> None:
-    got = run_harness(tmp_path, "fsdp2_tp2", 4, "--training.local_batch_size", "2",
-                      "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2")
-    assert_same_run(got, reference)
+def test_fsdp_and_tp_on_four_processes(one_process: CaseResults, four_processes: CaseResults) -> None:
+    assert_same_run(four_processes["fsdp2_tp2"], one_process["ref"])
 
 
-PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
-
-
-@pytest.mark.parametrize("schedule, split", [
-    ("GPipe", ["--parallelism.pipeline_parallel_split_points", "layers.2"]),  # uneven: blocks 0-1 | 2-5
-    ("1F1B", []),
-    ("Interleaved1F1B", []),  # 4 stages of 1, 2, 2, 1 blocks; rank 0 runs stages 0 and 2
-    ("InterleavedZeroBubble", []),
-    ("ZBVZeroBubble", []),  # a V: rank 0 runs stages 0 and 3, so it computes the loss
-])
-def test_pipeline_schedules_match_one_process(tmp_path: Path, reference: dict, schedule: str,
-                                              split: list[str]) -> None:
+@pytest.mark.parametrize("schedule", PIPELINE_SCHEDULES)
+def test_pipeline_schedules_match_one_process(one_process: CaseResults, two_processes: CaseResults,
+                                              schedule: str) -> None:
     """4 micro-batches of 1 sequence through 2 pipeline ranks: the same losses and final weights as one process."""
-    # torch's V schedule has no forward-only pass (config/validate.py), so ZBV trains without evaluating.
-    no_validation = ["--validation.no_enable"] if schedule == "ZBVZeroBubble" else []
-    got = run_harness(tmp_path, f"pp2_{schedule}", 2, "--training.local_batch_size", "4", *PP2,
-                      "--parallelism.pipeline_parallel_schedule", schedule, *split, *no_validation)
-    assert_same_run(got, reference, evaluated=not no_validation)
+    evaluated = "--validation.no_enable" not in PIPELINE_SCHEDULES[schedule]
+    assert_same_run(two_processes[f"pp2_{schedule}"], one_process["ref"], evaluated=evaluated)
 
 
-def test_pipeline_microbatches_compose_with_gradient_accumulation(tmp_path: Path) -> None:
+def test_pipeline_microbatches_compose_with_gradient_accumulation(one_process: CaseResults,
+                                                                 two_processes: CaseResults) -> None:
     """Global batch 8 = 2 accumulation steps x 2 micro-batches of 2 sequences, against one process accumulating."""
-    accumulate = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
-    reference = run_harness(tmp_path, "ref_accumulate", 1, *accumulate)
-    got = run_harness(tmp_path, "pp2_accumulate", 2, *accumulate, *PP2,
-                      "--parallelism.pipeline_parallel_microbatch_size", "2")
-    assert_same_run(got, reference)
+    assert_same_run(two_processes["pp2_accumulate"], one_process["ref_accumulate"])
 
 
-@pytest.mark.parametrize("name, flags", [
-    ("pp2_fsdp2", ["--training.local_batch_size", "2", *PP2, "--parallelism.data_parallel_shard_degree", "2"]),
-    ("pp2_tp2", ["--training.local_batch_size", "4", *PP2, "--parallelism.tensor_parallel_degree", "2"]),
-])
-def test_pipeline_with_fsdp_or_tp_on_four_processes(tmp_path: Path, reference: dict, name: str,
-                                                    flags: list[str]) -> None:
-    got = run_harness(tmp_path, name, 4, *flags)
-    assert_same_run(got, reference)
-
-
-CP2 = ["--parallelism.context_parallel_degree", "2"]
+@pytest.mark.parametrize("name", ["pp2_fsdp2", "pp2_tp2"])
+def test_pipeline_with_fsdp_or_tp_on_four_processes(one_process: CaseResults, four_processes: CaseResults,
+                                                    name: str) -> None:
+    assert_same_run(four_processes[name], one_process["ref"])
 
 
 @pytest.mark.parametrize("rotate_method", ["allgather", "alltoall"])
-def test_context_parallel_matches_one_process(tmp_path: Path, reference: dict, rotate_method: str) -> None:
+def test_context_parallel_matches_one_process(one_process: CaseResults, two_processes: CaseResults,
+                                              rotate_method: str) -> None:
     """Each rank holds 2 of 4 load-balanced chunks of every sequence; attention exchanges keys and values."""
-    got = run_harness(tmp_path, f"cp2_{rotate_method}", 2, "--training.local_batch_size", "4", *CP2,
-                      "--parallelism.context_parallel_rotate_method", rotate_method)
-    assert_same_run(got, reference)
+    assert_same_run(two_processes[f"cp2_{rotate_method}"], one_process["ref"])
 
 
-def test_context_parallel_with_fsdp_on_four_processes(tmp_path: Path, reference: dict) -> None:
+def test_context_parallel_with_fsdp_on_four_processes(one_process: CaseResults, four_processes: CaseResults) -> None:
     """FSDP shards over dp_shard x cp = 4 ranks; the loss averages over dp x cp."""
-    got = run_harness(tmp_path, "cp2_fsdp2", 4, "--training.local_batch_size", "2", *CP2,
-                      "--parallelism.data_parallel_shard_degree", "2")
-    assert_same_run(got, reference)
+    assert_same_run(four_processes["cp2_fsdp2"], one_process["ref"])
 
 
-@pytest.mark.parametrize("name, flags", [
-    ("pp2_compiled_full_ac", [*PP2, "--activation_checkpoint.mode", "full"]),
-    ("cp2_compiled_selective_ac", [*CP2, "--activation_checkpoint.mode", "selective"]),
-])
-def test_pipeline_and_context_parallel_with_compile_and_ac(tmp_path: Path, reference: dict, name: str,
-                                                           flags: list[str]) -> None:
+@pytest.mark.parametrize("name", ["pp2_compiled_full_ac", "cp2_compiled_selective_ac"])
+def test_pipeline_and_context_parallel_with_compile_and_ac(one_process: CaseResults, two_processes: CaseResults,
+                                                           name: str) -> None:
     """Compiled, checkpointed blocks inside pipeline stages, and around context-parallel attention (which dynamo
     traces through, collectives included): still one process's eager run."""
-    got = run_harness(tmp_path, name, 2, "--training.local_batch_size", "4", "--training.compile", *flags)
-    assert_same_run(got, reference)
+    assert_same_run(two_processes[name], one_process["ref"])
 
 
-def run_probe(tmp_path: Path, nprocs: int, *flags: str) -> dict:
-    """One step of Trainer.run on `nprocs` processes without clipping (it would rescale the gradients), probed by
-    tests/trainer_probe.py."""
-    out = tmp_path / "probe.pt"
-    # No final evaluation: the probe reads the gradients as the training step left them.
-    run_torchrun("trainer_probe.py", nprocs, str(out), *BASE, "--validation.no_enable", "--job.dump_folder",
-                 str(tmp_path), "--training.steps", "1", "--training.max_norm", "0", "--training.local_batch_size", "2",
-                 *flags)
-    return torch.load(out)
-
-
-@pytest.fixture(scope="module")
-def fsdp2_always_bf16_reduce(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_probe(tmp_path_factory.mktemp("always"), 2, "--parallelism.data_parallel_shard_degree", "2",
-                     "--parallelism.fsdp_reshard_after_forward", "always", "--training.mixed_precision_reduce",
-                     "bfloat16")
-
-
-@pytest.fixture(scope="module")
-def fsdp2_never(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return run_probe(tmp_path_factory.mktemp("never"), 2, "--parallelism.data_parallel_shard_degree", "2",
-                     "--parallelism.fsdp_reshard_after_forward", "never")
-
-
+# One step of Trainer.run without clipping (it would rescale the gradients), probed by tests/trainer_probe.py; no
+# final evaluation: the probe reads the gradients as the training step left them.
+PROBE = [*BASE, "--validation.no_enable", "--training.steps", "1", "--training.max_norm", "0",
+         "--training.local_batch_size", "2"]
 COMM_TIMEOUTS = ["--comm.init_timeout_seconds", "123", "--comm.train_timeout_seconds", "45"]
+PROBES = {
+    2: {"always_bf16_reduce": [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "always",
+                               "--training.mixed_precision_reduce", "bfloat16"],
+        "never": [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "never"]},
+    # FSDP=2 x TP=2: the mesh's dimensions are groups smaller than the world, created apart from the default one.
+    4: {"fsdp2_tp2_default": [*FSDP2, *TP2, *COMM_TIMEOUTS]},
+}
 
 
 @pytest.fixture(scope="module")
-def fsdp2_tp2_default(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """FSDP=2 x TP=2: the mesh's dimensions are groups smaller than the world, created apart from the default one."""
-    return run_probe(tmp_path_factory.mktemp("default"), 4, "--parallelism.data_parallel_shard_degree", "2",
-                     "--parallelism.tensor_parallel_degree", "2", *COMM_TIMEOUTS)
+def probes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every probe's result by name; one launch per world size."""
+    found = {}
+    for nprocs, cases in PROBES.items():
+        folder = tmp_path_factory.mktemp(f"probes{nprocs}")
+        results = run_cases("trainer_probe.py", nprocs, folder, {
+            name: [*PROBE, "--job.dump_folder", str(folder / name), *flags] for name, flags in cases.items()})
+        found.update({name: results[name] for name in cases})
+    return found
 
 
 @pytest.mark.parametrize("probe, blocks, root", [
-    ("fsdp2_always_bf16_reduce", [True] * NUM_LAYERS, True),
-    ("fsdp2_never", [False] * NUM_LAYERS, False),
+    ("always_bf16_reduce", [True] * NUM_LAYERS, True),
+    ("never", [False] * NUM_LAYERS, False),
     # default: every block but the last, whose backward starts right after forward; the root is used first in
     # backward, so it stays gathered too
     ("fsdp2_tp2_default", [True] * (NUM_LAYERS - 1) + [False], False),
 ], ids=["always", "never", "default"])
-def test_fsdp_reshard_after_forward(request: pytest.FixtureRequest, probe: str, blocks: list[bool],
-                                    root: bool) -> None:
+def test_fsdp_reshard_after_forward(probes: dict[str, dict], probe: str, blocks: list[bool], root: bool) -> None:
     """Right after forward, a block's parameters are back to FSDP shards exactly where the policy reshards."""
-    assert request.getfixturevalue(probe)["after_forward"] == {"blocks": blocks, "root": root}
+    assert probes[probe]["after_forward"] == {"blocks": blocks, "root": root}
 
 
-def test_mixed_precision_reduce_bfloat16_rounds_gradients(fsdp2_always_bf16_reduce: dict, fsdp2_never: dict) -> None:
+def test_mixed_precision_reduce_bfloat16_rounds_gradients(probes: dict[str, dict]) -> None:
     """Gradients reduced in bfloat16 (then stored in the float32 parameters' dtype) are bfloat16 values; the
     default float32 reduction keeps float32's finer mantissa."""
     def all_bfloat16(gradients: dict[str, torch.Tensor]) -> bool:
         return all(torch.equal(g, g.bfloat16().float()) for g in gradients.values())
 
-    assert all(g.dtype == torch.float32 for g in fsdp2_always_bf16_reduce["gradients"].values())
-    assert all_bfloat16(fsdp2_always_bf16_reduce["gradients"])
-    assert not all_bfloat16(fsdp2_never["gradients"])
+    assert all(g.dtype == torch.float32 for g in probes["always_bf16_reduce"]["gradients"].values())
+    assert all_bfloat16(probes["always_bf16_reduce"]["gradients"])
+    assert not all_bfloat16(probes["never"]["gradients"])
 
 
-def test_comm_timeouts_reach_every_process_group(fsdp2_tp2_default: dict) -> None:
+def test_comm_timeouts_reach_every_process_group(probes: dict[str, dict]) -> None:
     """--comm.init_timeout_seconds holds for setup and the first step, --comm.train_timeout_seconds (plus the margin
     that lets the hang watchdog fire first) after it, on the default group and on every mesh group that FSDP, TP and
     the loss average use."""
     groups = ["default", "pp", "dp_replicate", "dp_shard", "cp", "tp", "dp", "fsdp", "loss"]
-    assert fsdp2_tp2_default["setup_timeouts"] == dict.fromkeys(groups, 123)
-    assert fsdp2_tp2_default["train_timeouts"] == dict.fromkeys(groups, 45 + COLLECTIVE_TIMEOUT_MARGIN)
+    assert probes["fsdp2_tp2_default"]["setup_timeouts"] == dict.fromkeys(groups, 123)
+    assert probes["fsdp2_tp2_default"]["train_timeouts"] == dict.fromkeys(groups, 45 + COLLECTIVE_TIMEOUT_MARGIN)
 
 def run_losses(tmp_path: Path, *flags: str) -> list[float]:
     trainer = Trainer(load_job_config([*BASE, "--job.dump_folder", str(tmp_path), "--training.local_batch_size", "2",
@@ -356,27 +378,8 @@ def test_wrong_degree_product_is_a_config_error() -> None:
     assert "must multiply to the world size 2" in str(err.value)
 
 
-# The output layer converts too (it is TP-sharded). Emulated: the same quantization with fp32 matmuls, since CPU
-# float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
-FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns"]
-MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
-FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
-TP2 = ["--parallelism.tensor_parallel_degree", "2"]
-
-
-@pytest.mark.parametrize("name, nprocs, local_batch, flags, first_step_rtol", [
-    # Each FSDP rank scales its activations by the amax of its own 2 sequences, the reference by that of all 4; on
-    # these batches that moves step 1 by 2.7e-4 relative.
-    ("fsdp2_float8", 2, 2, [*FSDP2, *FLOAT8], 1e-3),
-    ("tp2_float8", 2, 4, [*TP2, *FLOAT8], 1e-5),
-    ("fsdp2_mx", 2, 2, [*FSDP2, *MX], 1e-5),
-    ("tp2_mx", 2, 4, [*TP2, *MX], 1e-5),
-    # Each CP rank scales its activations by the amax of its own half of every sequence (as torchao does: no
-    # all-reduce per linear), so float8 rounding differs from step 1 on; measured 1.5e-4 relative.
-    ("cp2_float8", 2, 4, [*CP2, *FLOAT8], 1e-3),
-])
-def test_low_precision_under_fsdp_tp_and_cp(tmp_path: Path, name: str, nprocs: int, local_batch: int,
-                                            flags: list[str], first_step_rtol: float) -> None:
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_low_precision_under_fsdp_tp_and_cp(one_process: CaseResults, two_processes: CaseResults, name: str) -> None:
     """Float8 weight scales come from global amaxes (DTensor reductions under TP, unsharded weights under FSDP);
     MX blocks never cross a TP shard (the converter checks it), so each rank's blocks are the global ones. Step 1
     matches one process to 1e-5, except where a rank scales activations by its own share of the batch: float8's
@@ -385,9 +388,8 @@ def test_low_precision_under_fsdp_tp_and_cp(tmp_path: Path, name: str, nprocs: i
     reduction-order difference can push a value across a rounding boundary (e4m3 steps are 2^-3 relative) and
     Adam turns near-zero gradient differences into lr-sized steps, so losses agree to 1e-3 and final weights are
     not compared element-wise."""
-    # One process with the global batch of 4 sequences (each layout's local batch x data-parallel degree).
-    reference = run_harness(tmp_path, f"ref_{name}", 1, "--training.local_batch_size", "4", *flags[2:])
-    got = run_harness(tmp_path, name, nprocs, "--training.local_batch_size", str(local_batch), *flags)
+    _, first_step_rtol, reference_name = LOW_PRECISION[name]
+    reference, got = one_process[reference_name], two_processes[name]
     torch.testing.assert_close(got["losses"][0], reference["losses"][0], rtol=first_step_rtol, atol=0)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-3, atol=0)
     assert reference["losses"][-1] < reference["losses"][0] - 0.5

@@ -1,13 +1,18 @@
 """Launch a test script on several gloo processes with torchrun, as the multi-process tests do."""
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
+
+import torch
+import torch._dynamo
 
 from titan.exits import exit_process
 
@@ -34,24 +39,74 @@ def finish_rank() -> NoReturn:
     exit_process(0)
 
 
-def run_torchrun(script: str, nprocs: int, *args: str) -> None:
+def run_torchrun(script: str, nprocs: int, *args: str, timeout: float = 600) -> None:
     """Run tests/`script` under torchrun on `nprocs` processes; fail with the tail of its output if it fails.
     A run that only failed by gloo's abort (GLOO_ABORT) after every rank finished its work runs once more, from
     none of the first attempt's files, with a GlooAbortRerun warning."""
     existing = named_paths(args)
-    result = launch(script, nprocs, args)
+    result = launch(script, nprocs, args, timeout)
     if result.returncode != 0 and gloo_aborted(result) and every_rank_done(result, nprocs):
         warnings.warn(GlooAbortRerun(f"{script}: a rank was aborted by gloo ({GLOO_ABORT!r}) after every rank "
                                      f"finished; rerunning once"))
         remove_new_paths(args, existing)
-        result = launch(script, nprocs, args)
+        result = launch(script, nprocs, args, timeout)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 
-def launch(script: str, nprocs: int, args: tuple[str, ...]) -> subprocess.CompletedProcess:
+def launch(script: str, nprocs: int, args: tuple[str, ...], timeout: float) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
                str(TESTS / script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "LOG_RANK": "0"})
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "LOG_RANK": "0"})
+
+
+SECONDS_PER_CASE = 150
+"""run_cases' time limit per case: a few steps of the debug model, compiled or not, on slow shared CI cores."""
+
+
+class CaseResults:
+    """What run_cases got: each finished case's result, and the launch's failure, if it had one."""
+
+    def __init__(self, results: dict[str, dict], failure: str | None) -> None:
+        self.results = results
+        self.failure = failure
+
+    def __getitem__(self, name: str) -> dict:
+        """The result of case `name`; fails the calling test, with the launch's output, if the case never finished."""
+        if name not in self.results:
+            raise AssertionError(f"case {name!r} did not finish: its launch failed at it or before it.\n"
+                                 f"{self.failure}")
+        return self.results[name]
+
+
+def run_cases(script: str, nprocs: int, folder: Path, cases: dict[str, list[str]]) -> CaseResults:
+    """Run the `cases` (name -> the script's flags) of one world size in turn, in one torchrun launch of
+    tests/`script`: starting the ranks costs more than most cases (torch's import, gloo's rendezvous). The script
+    hands each case to run_each_case, which saves its result to `folder`/<name>.pt. A case that fails stops the
+    launch; the cases before it keep their results, so every test still judges its own case."""
+    folder.mkdir(parents=True, exist_ok=True)
+    spec = folder / "cases.json"
+    spec.write_text(json.dumps(cases))
+    try:
+        run_torchrun(script, nprocs, str(folder), str(spec), timeout=SECONDS_PER_CASE * len(cases))
+        failure = None
+    except (AssertionError, subprocess.TimeoutExpired) as error:
+        failure = str(error)
+    results = {name: torch.load(folder / f"{name}.pt") for name in cases if (folder / f"{name}.pt").exists()}
+    return CaseResults(results, failure)
+
+
+def run_each_case(run_case: Callable[[list[str], int], dict]) -> None:
+    """The harness side of run_cases (argv: the folder and the case file): `run_case(flags, world_size)` runs one
+    case on this rank and returns rank 0's result, saved as each case finishes. Compiled code is dropped between
+    cases: dynamo's recompile limit, counted per code object across cases, would otherwise fall back to eager."""
+    folder, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
+    world_size = int(os.environ["WORLD_SIZE"])
+    for name, flags in cases.items():
+        result = run_case(flags, world_size)
+        if int(os.environ["RANK"]) == 0:
+            torch.save(result, folder / f"{name}.pt")
+        torch._dynamo.reset()
 
 
 def gloo_aborted(result: subprocess.CompletedProcess) -> bool:

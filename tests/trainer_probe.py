@@ -1,12 +1,12 @@
-"""Run Titan's training loop (Trainer.run) under torchrun and save what losses can't show, for the parallel tests.
+"""Run Titan's training loop (Trainer.run) under torchrun and save what losses can't show, for the parallel tests:
+every case of one world size in one launch (tests/torchrun.py run_cases).
 
-    torchrun --nproc_per_node 2 tests/trainer_probe.py OUT.pt [titan flags]
+    torchrun --nproc_per_node 2 tests/trainer_probe.py FOLDER CASES.json
 
-OUT holds rank 0's view: which parameters were sharded by FSDP right after the first forward, each process group's
+Each case's result holds rank 0's view: which parameters were sharded by FSDP right after the first forward, each process group's
 collective timeout after setup and after training, and the local gradient shards of the last step.
 """
 
-import os
 import sys
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from titan.config.check import load_job_config  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import MESH_DIMS, destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
-from torchrun import finish_rank  # noqa: E402
+from torchrun import finish_rank, run_each_case  # noqa: E402
 
 
 def fsdp_sharded(module: nn.Module) -> bool:
@@ -42,10 +42,8 @@ def group_timeouts(trainer: Trainer) -> dict[str, float]:
             for name, group in groups.items()}
 
 
-def main() -> None:
-    out, flags = sys.argv[1], sys.argv[2:]
-    init_logger()
-    trainer = Trainer(load_job_config(flags, int(os.environ["WORLD_SIZE"])), int(os.environ["WORLD_SIZE"]))
+def run_case(flags: list[str], world_size: int) -> dict:
+    trainer = Trainer(load_job_config(flags, world_size), world_size)
     setup_timeouts = group_timeouts(trainer)
     after_forward: list[dict] = []
 
@@ -56,12 +54,12 @@ def main() -> None:
     trainer.training.model.register_forward_hook(record)  # runs after FSDP's own post-forward hooks, registered earlier
     trainer.run()
     gradients = {fqn: param.grad.to_local() for fqn, param in trainer.training.model.named_parameters()}
-    if trainer.rank == 0:
-        torch.save({"after_forward": after_forward[0], "setup_timeouts": setup_timeouts,
-                    "train_timeouts": group_timeouts(trainer), "gradients": gradients}, out)
-    destroy_distributed(wait_for_peers=True)
+    return {"after_forward": after_forward[0], "setup_timeouts": setup_timeouts,
+            "train_timeouts": group_timeouts(trainer), "gradients": gradients}
 
 
 if __name__ == "__main__":
-    main()
+    init_logger()
+    run_each_case(run_case)
+    destroy_distributed(wait_for_peers=True)
     finish_rank()

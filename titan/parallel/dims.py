@@ -75,8 +75,9 @@ def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
 
 
 def init_distributed(comm: Comm, device: torch.device, world_size: int) -> None:
-    """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process."""
-    if world_size == 1:
+    """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, unless this process
+    has joined it already (one that runs several jobs in turn, as the parity tests' harness does)."""
+    if world_size == 1 or dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm.init_timeout_seconds),
