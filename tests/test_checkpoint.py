@@ -207,20 +207,37 @@ def test_resharded_load(tmp_path: Path, fsdp2_checkpoint: Path, nprocs: int, dp_
 
 
 
-def test_load_step_resumes_from_that_step_not_the_latest(tmp_path: Path) -> None:
+# A one-process run of 4 steps with checkpoints at steps 2 and 4, which the tests below start from (each from a
+# copy of its folder): one launch instead of one per test.
+SOURCE_FLAGS = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("source")
+    train(folder, *SOURCE_FLAGS)
+    return folder
+
+
+def copy_of(source: Path, folder: Path) -> Path:
+    """A copy of a run's folder (checkpoints, metrics, config), to change or train on."""
+    shutil.copytree(source, folder)
+    return folder
+
+
+def test_load_step_resumes_from_that_step_not_the_latest(tmp_path: Path, source_run: Path) -> None:
     """With checkpoints at steps 2 and 4, --checkpoint.load_step 2 loads step 2 and trains steps 3 and 4 again,
     with the losses they had the first time (the latest, step 4, would leave nothing to train)."""
-    flags = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2"]
-    train(tmp_path, *flags)
-    result = train(tmp_path, *flags, "--checkpoint.load_step", "2")
+    run = copy_of(source_run, tmp_path / "run")
+    result = train(run, *SOURCE_FLAGS, "--checkpoint.load_step", "2")
     assert "checkpoint/step-2: step 2" in result.stdout
-    records = [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())]
+    records = [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
     assert [step for step, _ in records] == [1, 2, 3, 4, 3, 4]
     assert records[4:] == records[2:4]
 
-def test_model_shape_mismatch_names_parameters(tmp_path: Path) -> None:
-    train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
-    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable",
+def test_model_shape_mismatch_names_parameters(tmp_path: Path, source_run: Path) -> None:
+    run = copy_of(source_run, tmp_path / "run")
+    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",
                        "--model.vocab_size_multiple_of", "512")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
@@ -229,17 +246,17 @@ def test_model_shape_mismatch_names_parameters(tmp_path: Path) -> None:
     assert "--model.flavor" in output and "Traceback" not in output
 
 
-def test_corrupt_checkpoint_names_the_folder(tmp_path: Path) -> None:
-    train(tmp_path, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.interval", "2")
-    step = tmp_path / "checkpoint" / "step-2"
+def test_corrupt_checkpoint_names_the_folder(tmp_path: Path, source_run: Path) -> None:
+    run = copy_of(source_run, tmp_path / "run")
+    step = run / "checkpoint" / "step-4"  # the latest, which a resume reads
     data = next(step.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:1000])
-    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable")
+    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert f"Checkpoint {step} could not be read" in output and "Traceback" not in output
     (step / ".metadata").unlink()
-    result = run_train(*BASE, "--job.dump_folder", str(tmp_path), "--training.steps", "4", "--checkpoint.enable")
+    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
     assert result.returncode == 2 and f"Checkpoint {step} has no readable metadata" in result.stdout
 
 
@@ -274,9 +291,8 @@ def test_last_save_model_only_exports_weights_in_dtype(tmp_path: Path) -> None:
     assert "optimizer" in {key.split(".")[0] for key in full}
 
 
-def test_initial_load_path_starts_from_other_weights(tmp_path: Path) -> None:
-    source = tmp_path / "source"
-    train(source, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
+def test_initial_load_path_starts_from_other_weights(tmp_path: Path, source_run: Path) -> None:
+    source = source_run
     run = tmp_path / "run"
     result = train(run, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.initial_load_path",
                    str(source / "checkpoint" / "step-4"))
@@ -300,23 +316,31 @@ def test_checkpoint_config_errors() -> None:
         assert field in message
 
 
+@pytest.fixture(scope="module")
+def hf_export(source_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """The source run's step 4 exported to HF safetensors (float32), and the first loss of a run started from the
+    DCP step folder itself."""
+    hf_folder = tmp_path_factory.mktemp("hf") / "export"
+    export = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_to_hf.py"),
+                             str(source_run / "checkpoint" / "step-4"), str(hf_folder), "--dtype", "float32"],
+                            capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stdout + export.stderr
+    from_dcp = tmp_path_factory.mktemp("from_dcp")
+    train(from_dcp, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
+          str(source_run / "checkpoint" / "step-4"))
+    return hf_folder, losses_by_step(from_dcp)[1]
+
+
 @pytest.mark.parametrize("nprocs, layout", [(1, []), (2, ["--parallelism.pipeline_parallel_degree", "2"])],
                          ids=["one-process", "pp2"])
-def test_initial_load_from_hugging_face_safetensors(tmp_path: Path, nprocs: int, layout: list[str]) -> None:
+def test_initial_load_from_hugging_face_safetensors(tmp_path: Path, hf_export: tuple[Path, float], nprocs: int,
+                                                    layout: list[str]) -> None:
     """Export a trained step to HF safetensors (float32) and start a run from it with initial_load_in_hf (on one
     process, or on two pipeline stages that each load their own tensors): the first loss equals a run started from
     the DCP step folder itself."""
-    source = tmp_path / "source"
-    train(source, "--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
-    hf_folder = tmp_path / "hf"
-    export = subprocess.run([sys.executable, str(ROOT / "scripts" / "convert_to_hf.py"),
-                             str(source / "checkpoint" / "step-4"), str(hf_folder), "--dtype", "float32"],
-                            capture_output=True, text=True, timeout=300)
-    assert export.returncode == 0, export.stdout + export.stderr
-    from_hf, from_dcp = tmp_path / "from_hf", tmp_path / "from_dcp"
+    hf_folder, from_dcp_loss = hf_export
+    from_hf = tmp_path / "from_hf"
     result = train(from_hf, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
                    "--checkpoint.initial_load_path", str(hf_folder), *layout, nprocs=nprocs)
     assert "Loaded Hugging Face weights" in result.stdout
-    train(from_dcp, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
-          str(source / "checkpoint" / "step-4"))
-    assert losses_by_step(from_hf)[1] == pytest.approx(losses_by_step(from_dcp)[1], rel=1e-6 if layout else 0)
+    assert losses_by_step(from_hf)[1] == pytest.approx(from_dcp_loss, rel=1e-6 if layout else 0)
