@@ -19,7 +19,7 @@ from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gath
 from titan.quant.float8.gathered import Float8GatheredWeight
 from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear, cast_operand
 from titan.quant.formats import E4M3
-from torchrun import run_cases, run_torchrun
+from torchrun import CaseResults, run_cases, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -108,7 +108,7 @@ def test_distributed_checkpoint_round_trip(runs: dict, name: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     """The debug model through Titan's trainer on FSDP=2, every linear float8 tensorwise: with the float8 all-gather
     (scales precomputed) and with the high-precision one."""
     tmp_path = tmp_path_factory.mktemp("trainer_float8_fsdp")
@@ -117,13 +117,12 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
              "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
              "--parallelism.data_parallel_shard_degree", "2", "--model.converters", "float8", "--float8.filter_fqns"]
     all_gather = ["--float8.enable_fsdp_float8_all_gather", "--float8.precompute_float8_dynamic_scale_for_fsdp"]
-    results = run_cases("parallel_harness.py", WORLD_SIZE, tmp_path, {
+    return run_cases("parallel_harness.py", WORLD_SIZE, tmp_path, {
         name: [*flags, "--job.dump_folder", str(tmp_path / name), *extra]
         for name, extra in (("high_precision", []), ("float8", all_gather))})
-    return {name: results[name] for name in ("high_precision", "float8")}
 
 
-def test_trainer_float8_all_gather_matches_high_precision(trainer_runs: dict[str, dict]) -> None:
+def test_trainer_float8_all_gather_matches_high_precision(trainer_runs: CaseResults) -> None:
     """The float8 all-gather with precomputed scales reproduces the high-precision all-gather bit for bit."""
     assert trainer_runs["float8"]["losses"] == trainer_runs["high_precision"]["losses"]
     assert_equal_tensors(trainer_runs["float8"]["weights"], trainer_runs["high_precision"]["weights"])
@@ -136,7 +135,7 @@ def expected_all_gather_bytes(parameter_shapes: dict[str, tuple[int, ...]], floa
                for name, shape in parameter_shapes.items())
 
 
-def test_trainer_all_gathers_float8_bytes(trainer_runs: dict[str, dict]) -> None:
+def test_trainer_all_gathers_float8_bytes(trainer_runs: CaseResults) -> None:
     """What the trainer's FSDP puts on the wire in one forward: every linear weight (the output projection too) in
     float8, a quarter of the fp32 bytes, so a float8 all-gather that silently falls back to fp32 fails here."""
     high_precision, float8 = trainer_runs["high_precision"], trainer_runs["float8"]

@@ -65,18 +65,24 @@ SECONDS_PER_CASE = 150
 
 
 class CaseResults:
-    """What run_cases got: each finished case's result, and the launch's failure, if it had one."""
+    """What run_cases got: each finished case's result, and for each case that did not finish, its launch's
+    failure."""
 
-    def __init__(self, results: dict[str, dict], failure: str | None) -> None:
+    def __init__(self, results: dict[str, dict], failures: dict[str, str]) -> None:
         self.results = results
-        self.failure = failure
+        self.failures = failures
 
     def __getitem__(self, name: str) -> dict:
         """The result of case `name`; fails the calling test, with the launch's output, if the case never finished."""
         if name not in self.results:
             raise AssertionError(f"case {name!r} did not finish: its launch failed at it or before it.\n"
-                                 f"{self.failure}")
+                                 f"{self.failures.get(name, 'it was not run')}")
         return self.results[name]
+
+    def update(self, other: "CaseResults") -> None:
+        """Add the cases of another launch."""
+        self.results.update(other.results)
+        self.failures.update(other.failures)
 
 
 def run_cases(script: str, nprocs: int, folder: Path, cases: dict[str, list[str]]) -> CaseResults:
@@ -89,11 +95,11 @@ def run_cases(script: str, nprocs: int, folder: Path, cases: dict[str, list[str]
     spec.write_text(json.dumps(cases))
     try:
         run_torchrun(script, nprocs, str(folder), str(spec), timeout=SECONDS_PER_CASE * len(cases))
-        failure = None
+        failure = ""
     except (AssertionError, subprocess.TimeoutExpired) as error:
         failure = str(error)
     results = {name: torch.load(folder / f"{name}.pt") for name in cases if (folder / f"{name}.pt").exists()}
-    return CaseResults(results, failure)
+    return CaseResults(results, {name: failure for name in cases if name not in results})
 
 
 def run_each_case(run_case: Callable[[list[str], int], dict]) -> None:
