@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from titan.metrics.log import logger
 from torchrun import GlooAbortRerun
+from train_script import titan_log
 
 RERUN_TESTS: list[str] = []
 """The tests in which run_torchrun reran a launch that gloo aborted (a GlooAbortRerun warning)."""
@@ -15,21 +15,9 @@ RERUN_TESTS: list[str] = []
 
 @pytest.fixture
 def titan_records() -> Iterator[list[logging.LogRecord]]:
-    """Every record the `titan` logger emits during the test, exactly once, whatever handlers or
-    propagation init_logger or pytest set up."""
-    records: list[logging.LogRecord] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Collect(level=logging.INFO)
-    previous_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(previous_level)
+    """Every record the `titan` logger emits during the test, exactly once (train_script.titan_log)."""
+    with titan_log() as records:
+        yield records
 
 
 def pytest_warning_recorded(warning_message: warnings.WarningMessage, when: str, nodeid: str,

@@ -8,7 +8,6 @@ real.
 
 import dataclasses
 import gzip
-import importlib.util
 import json
 import logging
 import re
@@ -24,12 +23,9 @@ import torch
 from titan.config.domain import field_ranges
 from titan.config.job import JobConfig
 from titan.config.load import parse_args
-from train_script import run_train
+from train_script import TRAIN, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("titan_train_entry", ROOT / "train.py")
-TRAIN = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(TRAIN)
 
 # Small enough that a case which gets as far as building the model takes about a second.
 TINY = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "1",

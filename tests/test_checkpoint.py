@@ -1,5 +1,7 @@
 """Checkpoints on real files and real processes: exact resume (one process and FSDP=2), kill safety during an
-async save, keep_latest_k, resharding across layouts, weights-only exports and seeds, and the errors a user sees."""
+async save, keep_latest_k, resharding across layouts, weights-only exports and seeds, and the errors a user sees.
+Runs of several processes go through ./run_train.sh; one process runs train.py's main in this process (the
+launcher's start-up adds nothing to it), except the run that is killed."""
 
 import json
 import os
@@ -19,7 +21,7 @@ from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import read_model_weights
 from titan.config.check import load_job_config
 from titan.train.trainer import Trainer
-from train_script import ROOT, losses_by_step, run_train
+from train_script import ROOT, losses_by_step, run_train, run_train_here
 
 STEPS = 20
 LOCAL_BATCH_SIZE = 4
@@ -30,7 +32,9 @@ CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10"]
 
 
 def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedProcess:
-    result = run_train(*BASE, "--job.dump_folder", str(folder), *flags, env={"NGPU": str(nprocs)})
+    """A run that must finish: on one process in this process (run_train_here), else through ./run_train.sh."""
+    args = [*BASE, "--job.dump_folder", str(folder), *flags]
+    result = run_train_here(*args) if nprocs == 1 else run_train(*args, env={"NGPU": str(nprocs)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
 
@@ -237,8 +241,8 @@ def test_load_step_resumes_from_that_step_not_the_latest(tmp_path: Path, source_
 
 def test_model_shape_mismatch_names_parameters(tmp_path: Path, source_run: Path) -> None:
     run = copy_of(source_run, tmp_path / "run")
-    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",
-                       "--model.vocab_size_multiple_of", "512")
+    result = run_train_here(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",
+                            "--model.vocab_size_multiple_of", "512")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "was saved from a different model: tok_embeddings.weight is (2304, 256) in the checkpoint but " \
@@ -251,12 +255,12 @@ def test_corrupt_checkpoint_names_the_folder(tmp_path: Path, source_run: Path) -
     step = run / "checkpoint" / "step-4"  # the latest, which a resume reads
     data = next(step.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:1000])
-    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
+    result = run_train_here(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert f"Checkpoint {step} could not be read" in output and "Traceback" not in output
     (step / ".metadata").unlink()
-    result = run_train(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
+    result = run_train_here(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable")
     assert result.returncode == 2 and f"Checkpoint {step} has no readable metadata" in result.stdout
 
 

@@ -1,12 +1,56 @@
-"""Run ./run_train.sh as a user does (real torchrun, real processes) and read back what it logged."""
+"""Run ./run_train.sh as a user does (real torchrun, real processes), or train.py's main in this process where one
+process is all a test needs, and read back what it logged."""
 
+import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from titan.metrics.log import logger
+
 ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("titan_train_entry", ROOT / "train.py")
+TRAIN = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(TRAIN)
+"""train.py as a module: its main() is what every rank runs, exit code and all."""
+
+
+@contextmanager
+def titan_log() -> Iterator[list[logging.LogRecord]]:
+    """Every record the `titan` logger emits inside, exactly once, whatever handlers or propagation init_logger or
+    pytest set up."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Collect(level=logging.INFO)
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+def run_train_here(*args: str) -> subprocess.CompletedProcess:
+    """A one-process ./run_train.sh, run in this process: train.py's main() on run_train.sh's default config file
+    and `args`, without the start-up of the launcher, torchrun and a worker (seconds each), which add nothing to one
+    process's run. stdout holds every message the run logged, with the traceback of any record that carries one, as
+    a rank prints them."""
+    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), *args]
+    with titan_log() as records:
+        code = TRAIN.main(argv)
+    formatter = logging.Formatter("%(message)s")
+    return subprocess.CompletedProcess(argv, code, "\n".join(map(formatter.format, records)), "")
 
 
 def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
