@@ -14,11 +14,10 @@ from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
 from titan.models.llama.args import ModelArgs
+from titan.models.llama.loss import LossFn
 from titan.models.llama.model import RotaryEmbedding, Transformer
 from titan.parallel.reductions import as_local
 
-# A micro-batch's loss from its logits and labels.
-LossFn = Callable[[Tensor, Tensor], Tensor]
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
 StageExamples = list[tuple[Tensor, Tensor]]
 
@@ -27,15 +26,16 @@ class StageModel(nn.Module):
     """The parts of a Transformer that one pipeline stage runs, under the full model's FQNs (layers.<id>,
     tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first stage takes token ids
     (bs, seq), the last returns logits (bs, seq, padded_vocab), the others take and return hidden states
-    (bs, seq, dim). Absent parts are None. Every stage has its own rotary table, since later stages (context
-    parallel) change which positions a rank's table reads."""
+    (bs, seq, dim). Absent parts are None. Every stage has its own rotary table (`rope`, a new one when not
+    given), since later stages (context parallel) change which positions a rank's table reads."""
 
     def __init__(self, args: ModelArgs, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
-                 norm: nn.Module | None = None, output: nn.Module | None = None) -> None:
+                 norm: nn.Module | None = None, output: nn.Module | None = None,
+                 rope: RotaryEmbedding | None = None) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = tok_embeddings
-        self.rope = RotaryEmbedding(args)
+        self.rope = rope if rope is not None else RotaryEmbedding(args)
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
         self.output = output
@@ -65,10 +65,8 @@ def merge_stage_models(parts: list[StageModel]) -> StageModel:
         return next((getattr(part, name) for part in parts if getattr(part, name) is not None), None)
 
     layers = {layer_id: block for part in parts for layer_id, block in part.layers.items()}
-    merged = StageModel(parts[0].args, layers, tok_embeddings=present("tok_embeddings"), norm=present("norm"),
-                        output=present("output"))
-    merged.rope = parts[0].rope
-    return merged
+    return StageModel(parts[0].args, layers, tok_embeddings=present("tok_embeddings"), norm=present("norm"),
+                      output=present("output"), rope=parts[0].rope)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from titan.metrics.log import logger
 from titan.models.llama.args import ModelArgs, build_model_args, padded_vocab_size
 from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
-from titan.models.llama.loss import cross_entropy_loss
+from titan.models.llama.loss import LossFn, cross_entropy_loss
 from titan.models.llama.model import Transformer
 from titan.parallel.ac import keeps_attention
 from titan.parallel.compile import compile_loss
@@ -37,10 +37,6 @@ from titan.parallel.tp import build_vocab_sharded_loss, loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
-
-# A batch's mean token loss from its logits (bs, seq, padded_vocab) and labels (bs, seq).
-LossFn = Callable[[Tensor, Tensor], Tensor]
-
 
 def set_seed(seed: int, deterministic: bool) -> None:
     """Same seed, same weights and same losses on CPU; deterministic also pins GPU kernels."""

@@ -1,8 +1,14 @@
 """Training loss over the real vocabulary, whole or a chunk of tokens at a time."""
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+"""A batch's mean token loss from its logits (bs, seq, padded_vocab) and labels (bs, seq), over the real vocabulary:
+cross_entropy_loss with the vocabulary bound, or a parallel layout's equivalent."""
 
 
 def cross_entropy_loss(logits: Tensor, labels: Tensor, vocab_size: int, chunk_size: int = 0) -> Tensor:
