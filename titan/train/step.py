@@ -114,19 +114,6 @@ class TrainingStep:
             loss.backward()
         return as_local(loss.detach())
 
-    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """One validation batch's mean token loss, forward only (zero on ranks without the last pipeline stage)."""
-        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
-        with loss_parallel_context(self.loss_parallel):
-            if self.model_parts.pipeline is not None:
-                # The pipeline's micro-batch losses are divided by the micro-batches and accumulation steps
-                # (build_training_step), so they add up to the batch mean over accumulation steps.
-                with self.autocast():
-                    return self.model_parts.pipeline.eval(inputs, labels) * self.grad_accumulation_steps
-            with self.autocast():
-                logits = self.model(inputs)
-            return as_local(self.loss_fn(logits, labels))
-
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision without FSDP: matmuls in --training.mixed_precision_param (FSDP casts parameters
         itself, following the same field)."""
@@ -134,13 +121,6 @@ class TrainingStep:
         if dtype == torch.float32 or self.dims.dp_enabled:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)
-
-    def apply_update(self) -> None:
-        """The optimizer and LR-schedule step of the gradients just computed, and what converted layers need
-        after it."""
-        self.optimizer.step()
-        self.model_parts.conversion.after_optimizer_step(self.model)
-        self.lr_scheduler.step()
 
     def global_mean(self, local_loss: Tensor) -> Tensor:
         """The loss over the whole global batch: the mean over data-parallel and context-parallel ranks of their
@@ -156,6 +136,26 @@ class TrainingStep:
     def num_loss_shares(self) -> int:
         """Ranks whose losses make up the global mean: data x context parallel."""
         return self.dims.dp_degree * self.dims.cp
+
+    def apply_update(self) -> None:
+        """The optimizer and LR-schedule step of the gradients just computed, and what converted layers need
+        after it."""
+        self.optimizer.step()
+        self.model_parts.conversion.after_optimizer_step(self.model)
+        self.lr_scheduler.step()
+
+    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """One validation batch's mean token loss, forward only (zero on ranks without the last pipeline stage)."""
+        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
+        with loss_parallel_context(self.loss_parallel):
+            if self.model_parts.pipeline is not None:
+                # The pipeline's micro-batch losses are divided by the micro-batches and accumulation steps
+                # (build_training_step), so they add up to the batch mean over accumulation steps.
+                with self.autocast():
+                    return self.model_parts.pipeline.eval(inputs, labels) * self.grad_accumulation_steps
+            with self.autocast():
+                logits = self.model(inputs)
+            return as_local(self.loss_fn(logits, labels))
 
 
 def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,

@@ -171,6 +171,15 @@ class Trainer:
     def should_log(self) -> bool:
         return self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.training.steps
 
+    def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
+        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
+        record.update(self.meter.window(self.step, steps_in_window))
+        record.update(self.stopper.step_times)
+        tokens_by_source = self.dataloader.dataset.tokens_per_source()
+        record["tokens_by_source"] = tokens_by_source if len(tokens_by_source) > 1 else None
+        for sink in self.sinks:
+            sink.write(record)
+
     def after_step(self, profiler: Any, snapshotter: Any) -> None:
         """Evaluate, profile and save as this step calls for."""
         if self.should_validate():
@@ -207,15 +216,6 @@ class Trainer:
         for part in training.model_parts.parts:
             part.train()
         return result
-
-    def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
-        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
-        record.update(self.meter.window(self.step, steps_in_window))
-        record.update(self.stopper.step_times)
-        tokens_by_source = self.dataloader.dataset.tokens_per_source()
-        record["tokens_by_source"] = tokens_by_source if len(tokens_by_source) > 1 else None
-        for sink in self.sinks:
-            sink.write(record)
 
     def train_state(self) -> TrainState:
         return TrainState(step=self.step, tokens_seen=self.tokens_seen, dp_degree=self.dims.dp_degree,
