@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
@@ -26,6 +25,7 @@ from titan.parallel.cp import (
     uses_torch_context_parallel,
 )
 from titan.parallel.dims import destroy_distributed
+from torchrun import spawn_ranks
 
 CP = 2
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
@@ -125,7 +125,7 @@ def check_on_two_ranks(rank: int, folder: str) -> None:
 
 
 def test_sharded_attention_and_model_match_full(tmp_path: Path) -> None:
-    mp.spawn(check_on_two_ranks, args=(str(tmp_path),), nprocs=CP)
+    spawn_ranks(check_on_two_ranks, CP, str(tmp_path))
 
 
 def test_shard_batch_without_context_parallel_is_the_batch() -> None:

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from titan.config.errors import ConfigError
 from titan.exits import run_main
 from titan.parallel.dims import destroy_distributed
 from titan.train.nan_guard import NonFiniteLossError
+from torchrun import spawn_ranks
 
 
 def stopping_rank(rank: int, folder: str) -> None:
@@ -34,7 +34,7 @@ def stopping_rank(rank: int, folder: str) -> None:
 
 
 def test_peer_of_a_stopped_rank_names_it_and_exits_with_its_code(tmp_path: Path) -> None:
-    mp.spawn(stopping_rank, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn_ranks(stopping_rank, 2, str(tmp_path))
     stopped, peer = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (1, 0))
     assert stopped["code"] == 2 and "data-parallel rank 1" in stopped["lines"][0]
     assert peer["code"] == 2, peer

@@ -25,6 +25,7 @@ from titan.quant.float8.casts import (
     torch_tensorwise_cast,
 )
 from titan.quant.formats import E4M3, E5M2, EPS
+from torchrun import spawn_ranks
 
 FORMATS = [pytest.param(E4M3, ref.E4M3, id="e4m3"), pytest.param(E5M2, ref.E5M2, id="e5m2")]
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
@@ -266,4 +267,4 @@ def check_dtensor_casts(rank: int, world_size: int, init_file: str) -> None:
 
 
 def test_dtensor_casts_match_full_tensor(tmp_path: Path) -> None:
-    torch.multiprocessing.spawn(check_dtensor_casts, args=(2, str(tmp_path / "init")), nprocs=2)
+    spawn_ranks(check_dtensor_casts, 2, 2, str(tmp_path / "init"))

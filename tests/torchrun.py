@@ -13,6 +13,7 @@ from typing import NoReturn
 
 import torch
 import torch._dynamo
+import torch.multiprocessing
 
 from titan.exits import exit_process
 
@@ -31,6 +32,18 @@ DONE_MARKER = "TITAN_RANK_DONE"
 class GlooAbortRerun(UserWarning):
     """run_torchrun reran a script that only failed by gloo's abort. conftest.py fails the session when a test
     emitted one, so an intermittent crash that the rerun hid still fails CI, with the test named."""
+
+
+def spawn_ranks(fn: Callable[..., None], nprocs: int, *args: object) -> None:
+    """torch.multiprocessing.spawn(fn, args, nprocs) whose ranks end as every torchrun entry point does
+    (titan/exits.py exit_process): a spawned rank that returns normally goes through interpreter finalization, where
+    gloo has aborted it with SIGABRT ("terminate called without an active exception") after its work was done."""
+    torch.multiprocessing.spawn(_run_then_exit, args=(fn, args), nprocs=nprocs)
+
+
+def _run_then_exit(rank: int, fn: Callable[..., None], args: tuple) -> NoReturn:
+    fn(rank, *args)
+    exit_process(0)
 
 
 def finish_rank() -> NoReturn:
