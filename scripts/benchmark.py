@@ -40,6 +40,11 @@ through a wrapper), and from the end of its own last action until every rank is 
 schedule's step lines up the ranks' windows, so the drain counts against the rank that finished first. The table
 shows each rank's idle share of the schedule's step and their mean, the number to compare with the ideal bubble.
 
+The last data-parallel rank's time to read its batch of 1 x 8,192 tokens at data-parallel degrees 1 to 1024
+(scripts/bench_data.py has the preparation and memory measurements):
+
+    python scripts/benchmark.py --data
+
 The cost of the production-run features (docs/production.md): seconds per step of the whole training loop
 (Trainer.run: data, logging, the per-step checks) without and with in-training evaluation, alternating runs, and
 the per-step checks alone (the stop/time-limit agreement, the spike and non-finite guard, the hang watchdog), with
@@ -81,6 +86,7 @@ sys.path.insert(0, str(ROOT))
 
 import titan.models.llama.model as model_module  # noqa: E402
 from bench_common import peak_tensor_bytes  # noqa: E402
+from bench_data import per_rank_table  # noqa: E402
 from tests.reference.rope_ref import complex_rope  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
@@ -385,7 +391,7 @@ def per_step_check_seconds(argv: list[str], calls: int) -> float:
         start = time.perf_counter()
         for step in range(1, calls + 1):
             trainer.stopper.start_step(step)
-            trainer.anomalies.inspect(step, 2.0, 1.0, trainer.dataloader.dataset.position())
+            trainer.anomalies.inspect(step, 2.0, 1.0, trainer.dataloader.position())
             trainer.stopper.end_step(step, saving=False)
         return (time.perf_counter() - start) / calls
 
@@ -611,6 +617,8 @@ def main() -> None:
                         help="seconds per step without and with evaluation, and the per-step checks' cost")
     parser.add_argument("--ablation", action="store_true",
                         help="tokens/s, peak memory and loss difference of each speed lever, alone and together")
+    parser.add_argument("--data", action="store_true",
+                        help="the last data-parallel rank's read time per batch at degrees 1 to 1024")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     if args.steps is None:
@@ -620,6 +628,9 @@ def main() -> None:
     init_logger()
     argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
             "/tmp/titan_benchmark", *args.titan_flags]
+    if args.data:
+        per_rank_table()
+        return
     if args.fsdp_memory:
         fsdp_memory_table(args)
         return

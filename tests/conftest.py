@@ -1,6 +1,9 @@
 """Shared fixtures, and the session's exit status when run_torchrun had to rerun a launch."""
 
 import logging
+import os
+import shutil
+import tempfile
 import warnings
 from collections.abc import Iterator
 
@@ -8,6 +11,14 @@ import pytest
 
 from torchrun import GlooAbortRerun
 from train_script import titan_log
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Token stores made on first use go to a folder of this session (which every launched rank inherits), not to
+    the user's ~/.cache."""
+    if "TITAN_CACHE_DIR" not in os.environ:
+        os.environ["TITAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="titan_test_cache_")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop("TITAN_CACHE_DIR"), ignore_errors=True))
+
 
 RERUN_TESTS: list[str] = []
 """The tests in which run_torchrun reran a launch that gloo aborted (a GlooAbortRerun warning)."""

@@ -252,8 +252,10 @@ def test_written_config_reads_back_identically(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("entries, problem", [
     (["shipped"], "--training.mixture entry 'shipped' has no weight. Write DATASET[:PATH]=WEIGHT"),
-    (["hf:some/set=1"], "--training.mixture entry 'hf:some/set=1' names dataset 'hf', which is not one of shipped, "
-                        "text, jsonl."),
+    (["parquet:x=1"], "--training.mixture entry 'parquet:x=1' names dataset 'parquet', which is not one of shipped, "
+                      "text, jsonl, hf, prepared."),
+    (["hf:some/set=1"], "--training.mixture hf entry 'some/set' is not a local folder: a dataset from the Hugging "
+                        "Face hub is tokenized once, before training, with `python -m titan.data.prepare"),
     (["jsonl=2"], "--training.mixture entry 'jsonl=2' needs a path: jsonl:PATH=WEIGHT"),
     (["shipped:x.txt=1"], "--training.mixture entry 'shipped:x.txt=1' gives a path to shipped, which takes none."),
     (["shipped=0"], "--training.mixture entry 'shipped=0' has weight '0', which must be a positive finite number"),

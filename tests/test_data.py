@@ -13,6 +13,7 @@ import random
 import runpy
 import shutil
 import sys
+import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,14 +29,19 @@ from titan.data.dataset import (
     HELD_OUT_EVERY,
     SHIPPED_CORPUS,
     DocumentSource,
-    LocalDocuments,
-    PackedWindows,
     build_document_source,
     is_held_out,
     read_jsonl_documents,
     read_text_documents,
 )
-from titan.data.loader import DataParallelLoader, build_dataloader, build_validation_batches
+from titan.data.loader import (
+    PREFETCH_BATCHES,
+    DataParallelLoader,
+    build_dataloader,
+    build_stream,
+    build_validation_batches,
+)
+from titan.data.stream import WindowStream, permuted_index
 from titan.data.tokenizer import (
     LLAMA3_SPLIT_PATTERN,
     SHIPPED_TOKENIZER,
@@ -72,19 +78,17 @@ def training_source(dataset: str, path: Path | str | None = None) -> DocumentSou
                                  "--training.dataset_path")
 
 
-def packed(tmp_path: Path, tokenizer: Tokenizer, texts: list[str], seq_len: int) -> PackedWindows:
-    """The windows of `texts`, written to a jsonl file."""
-    source = LocalDocuments([write_jsonl(tmp_path / "d.jsonl", texts)], read_jsonl_documents, "test")
-    return PackedWindows(source, tokenizer, seq_len, name="test")
+def token_stream(windows: Iterable[Iterable[int]]) -> list[int]:
+    """The tokens that consecutive windows cover."""
+    return [int(t) for window in windows for t in window]
 
 
-def token_stream(windows: list[list[int]]) -> list[int]:
-    """The tokens that consecutive windows cover: each window but its last token (the next one's first label)."""
-    return [t for window in windows for t in window]
-
-
-def jsonl_training(tmp_path: Path, texts: list[str], **fields: int) -> Training:
+def jsonl_training(tmp_path: Path, texts: list[str], **fields: int | bool) -> Training:
     return Training(dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "d.jsonl", texts)), **fields)
+
+
+def in_order(training: Training) -> Training:
+    return dataclasses.replace(training, shuffle=False)
 
 
 def take_batches(loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
@@ -294,36 +298,62 @@ def test_shipped_corpus_is_small_and_loads(tokenizer: Tokenizer, corpus: list[st
 
 
 def test_shipped_training_never_reads_held_out_documents(tokenizer: Tokenizer, corpus: list[str]) -> None:
-    """Training reads the shipped documents but 1 in 20 (by a CRC-32 of the text), in corpus order, and the whole
-    first epoch of its stream is theirs; --validation.dataset shipped reads exactly the others."""
+    """Training reads the shipped documents but 1 in 20 (by a CRC-32 of the text), in corpus order, and its store
+    holds exactly theirs; --validation.dataset shipped reads exactly the others."""
     training_texts = [t for t in corpus if not is_held_out(t)]
     held_out = [t for t in corpus if zlib.crc32(t.encode("utf-8")) % HELD_OUT_EVERY == 0]
     assert len(corpus) / HELD_OUT_EVERY / 2 < len(held_out) < 2 * len(corpus) / HELD_OUT_EVERY
     assert list(training_source("shipped").documents()) == training_texts
     epoch = stream_of(tokenizer, training_texts)
-    stream = build_dataloader(tokenizer, Training(seq_len=2047), 0, 1).dataset
-    got = token_stream(stream.take(len(epoch) // 2048))
-    assert got == epoch[: len(got)] and len(epoch) - len(got) < 2048
+    stream = build_stream(tokenizer, Training(seq_len=2047))
+    assert stream.sources[0].store.tokens.tolist() == epoch
     validation = build_validation_batches(tokenizer, Validation(enable=True), Training(seq_len=63, local_batch_size=2),
                                           0, 1)
-    assert validation.windows.source.origin == "--validation.dataset shipped"
-    assert list(validation.windows.source.documents()) == held_out
+    assert validation.windows.store.tokens.tolist() == stream_of(tokenizer, held_out)
+    assert validation.windows.origin == "--validation.dataset shipped"
     first_inputs = next(iter(validation))[0]
     assert first_inputs[0].tolist() == stream_of(tokenizer, held_out)[:63]
 
 
-# Packing, epochs, the global order and resuming
+# Windows, epochs, shuffling, the global order and resuming
 
 
 def test_windows_are_consecutive_and_labels_shift(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
+    """With --training.shuffle off, windows cut the documents' token stream in order."""
     texts = corpus[:3]
     seq_len = 64
     stream = stream_of(tokenizer, texts)
-    loader = build_dataloader(tokenizer, jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=1), 0, 1)
-    for k, (inputs, labels) in enumerate(take_batches(loader, len(stream) // (seq_len + 1))):
+    training = in_order(jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=1))
+    for k, (inputs, labels) in enumerate(take_batches(build_dataloader(tokenizer, training, 0, 1),
+                                                      len(stream) // (seq_len + 1))):
         assert inputs.shape == labels.shape == (1, seq_len) and inputs.dtype == torch.int64
         window = stream[k * (seq_len + 1) : (k + 1) * (seq_len + 1)]
         assert inputs[0].tolist() == window[:-1] and labels[0].tolist() == window[1:]
+
+
+def windows_of_epochs(stream: WindowStream, num_epochs: int) -> list[list[list[int]]]:
+    per_epoch = stream.sources[0].per_epoch
+    return [stream.take(per_epoch).tolist() for _ in range(num_epochs)]
+
+
+def test_shuffle_visits_every_window_once_per_epoch_in_a_new_seeded_order(tmp_path: Path,
+                                                                         tokenizer: Tokenizer,
+                                                                         corpus: list[str]) -> None:
+    training = jsonl_training(tmp_path, corpus[:5], seq_len=16)
+    in_store_order = windows_of_epochs(build_stream(tokenizer, in_order(training)), 1)[0]
+    epochs = windows_of_epochs(build_stream(tokenizer, training), 3)
+    assert len(in_store_order) > 100
+    for epoch in epochs:
+        assert sorted(epoch) == sorted(in_store_order) and epoch != in_store_order
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert windows_of_epochs(build_stream(tokenizer, training), 3) == epochs
+    assert windows_of_epochs(build_stream(tokenizer, dataclasses.replace(training, seed=7)), 1)[0] != epochs[0]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 16, 17, 255, 256, 1000, 4099])
+def test_window_permutation_is_a_bijection(size: int) -> None:
+    for key in (0, 12345):
+        assert sorted(permuted_index(index, size, key) for index in range(size)) == list(range(size))
 
 
 @pytest.mark.parametrize("dp_degree", [2, 3])
@@ -337,16 +367,33 @@ def test_ranks_split_the_batches_of_one_process(tmp_path: Path, tokenizer: Token
     assert_same_batches(concatenated(per_rank), take_batches(one_process, 8))
 
 
+def test_a_rank_reads_only_its_own_windows(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 700 of 1024 reads its 2 windows of each global batch of 2048, and no other rank's tokens."""
+    training = jsonl_training(tmp_path, corpus[:20], seq_len=32, local_batch_size=2)
+    stream = build_stream(tokenizer, training)
+    read: list[int] = []
+    window = type(stream.sources[0]).window
+    monkeypatch.setattr(type(stream.sources[0]), "window", lambda self, drawn: read.append(drawn) or window(self, drawn))
+    windows = stream.take(2048, 700 * 2, 2)
+    assert read == [1400, 1401] and windows.shape == (2, 33)
+    stream.take(2048, 700 * 2, 2)
+    assert read[2:] == [2048 + 1400, 2048 + 1401]
+
+
 def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer,
                                            titan_records: list[logging.LogRecord]) -> None:
     texts = ["alpha beta gamma", "delta", "epsilon zeta eta theta"]
-    windows = packed(tmp_path, tokenizer, texts, seq_len=4)
     epoch = stream_of(tokenizer, texts)
-    count = 4 * len(epoch) // 5 + 1  # a little over four epochs
-    got = token_stream([windows.next_window() for _ in range(count)])
-    assert got == (epoch * 5)[: len(got)]
+    stream = build_stream(tokenizer, in_order(jsonl_training(tmp_path, texts, seq_len=4)))
+    per_epoch = len(epoch) // 5
+    got = token_stream(window for _ in range(4 * per_epoch + 1) for window in stream.take(1))
+    assert got == (epoch[: 5 * per_epoch] * 5)[: len(got)]
+    stream.take(3 * per_epoch)
     starts = [r.getMessage() for r in titan_records if "starts epoch" in r.getMessage()]
-    assert starts == [f"Data: source test starts epoch {epoch}" for epoch in range(5)]
+    source = f"Data: source jsonl:{tmp_path / 'd.jsonl'}"
+    assert starts == [f"{source} starts epoch {epoch}" for epoch in range(5)] + [
+        f"{source} starts epochs 5 to 7 in one batch"]
 
 
 # Documents of 3 tokens (BOS, letter, EOS) and windows of 6: every batch of 2 windows ends on a document
@@ -358,7 +405,8 @@ RAGGED_TEXTS = ["The quick brown fox", "jumps", "over the lazy dog, twice over."
 @pytest.mark.parametrize("texts, seq_len", [(ALIGNED_TEXTS, 5), (RAGGED_TEXTS, 9)], ids=["aligned", "ragged"])
 def test_loader_resumes_exactly_at_every_batch(tmp_path: Path, tokenizer: Tokenizer, texts: list[str],
                                                seq_len: int) -> None:
-    """Resuming after k batches (mid-epoch, mid-document, on an epoch boundary) gives the same next batches."""
+    """Resuming after k batches (mid-epoch, on an epoch boundary) gives the same next batches, although the
+    interrupted loader had prefetched batches past k."""
     training = jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=2)
     num_batches = 10  # several epochs of this data
     reference = take_batches(build_dataloader(tokenizer, training, 0, 1), num_batches)
@@ -368,6 +416,24 @@ def test_loader_resumes_exactly_at_every_batch(tmp_path: Path, tokenizer: Tokeni
         resumed = build_dataloader(tokenizer, training, 0, 1)
         resumed.load_state_dict(copy.deepcopy(interrupted.state_dict()))
         assert_same_batches(take_batches(resumed, num_batches - k), reference[k:])
+
+
+def test_prefetched_batches_are_ready_and_not_yet_consumed(tmp_path: Path, tokenizer: Tokenizer,
+                                                           corpus: list[str]) -> None:
+    """While the trainer holds batch k, the background thread has prepared the next ones; the state is still
+    batch k's, and a new iterator continues right after batch k."""
+    training = jsonl_training(tmp_path, corpus[:4], seq_len=16, local_batch_size=2)
+    reference = take_batches(build_dataloader(tokenizer, training, 0, 1), 6)
+    loader = build_dataloader(tokenizer, training, 0, 1)
+    batches = iter(loader)
+    assert_same_batches([next(batches), next(batches)], reference[:2])
+    deadline = time.monotonic() + 10
+    assert loader.prefetching is not None
+    while loader.prefetching.window_index < 2 * (2 + PREFETCH_BATCHES) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loader.prefetching.window_index == 2 * (2 + PREFETCH_BATCHES)  # prepared ahead, in the background
+    assert loader.state_dict()["window_index"] == 4 and loader.position()["window_index"] == 4
+    assert_same_batches(take_batches(loader, 4), reference[2:])
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, 2), (1, 4)), ((1, 4), (2, 2)), ((2, 2), (4, 1))],
@@ -407,8 +473,27 @@ def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, 
     resumed = build_dataloader(tokenizer, dataclasses.replace(training, dataset_path=str(moved)), dp_rank=1,
                                dp_degree=2)
     resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
-    assert resumed.dataset.position()["epoch"] >= 1
+    assert resumed.position()["epoch"] >= 1
     assert_same_batches(take_batches(resumed, len(expected)), expected)
+
+
+def test_resume_on_changed_data_or_an_old_position_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer,
+                                                                     corpus: list[str]) -> None:
+    training = jsonl_training(tmp_path, corpus[:4], seq_len=32)
+    loader = build_dataloader(tokenizer, training, 0, 1)
+    take_batches(loader, 2)
+    state = loader.state_dict()
+    write_jsonl(tmp_path / "d.jsonl", corpus[:3])  # the same path, other contents
+    with pytest.raises(ConfigError, match=r"data of jsonl:.*d\.jsonl changed since the checkpoint.*"
+                                          r"--checkpoint\.exclude_from_loading dataloader"):
+        build_dataloader(tokenizer, training, 0, 1).load_state_dict(state)
+    with pytest.raises(ConfigError, match="--training.seq_len 32, this run's are 16"):
+        write_jsonl(tmp_path / "d.jsonl", corpus[:4])
+        build_dataloader(tokenizer, dataclasses.replace(training, seq_len=16), 0, 1).load_state_dict(state)
+    old_packer_state = {"window_index": 3, "tokens": {"shipped": 96},
+                        "sources": {"shipped": {"epoch": 0, "document_index": 2, "token_offset": 17}}}
+    with pytest.raises(ConfigError, match="earlier Titan.*--checkpoint.exclude_from_loading dataloader"):
+        build_dataloader(tokenizer, Training(), 0, 1).load_state_dict(old_packer_state)
 
 
 # Mixtures
@@ -417,11 +502,13 @@ def test_loader_state_survives_torch_save(tmp_path: Path, tokenizer: Tokenizer, 
 def test_mixture_draws_follow_the_weights(tmp_path: Path, tokenizer: Tokenizer) -> None:
     """Window i's source is a pure function of (seed, i): the same in every stream with that seed, other with
     another seed, and each source's share of the windows follows its weight."""
-    code = write_jsonl(tmp_path / "code.jsonl", ["def f(): pass"])
+    code = write_jsonl(tmp_path / "code.jsonl", ["def f(): pass", "def g(x): return x + 1"])
     training = Training(mixture=["shipped=1", f"jsonl:{code}=3"], seq_len=8)
 
     def draws(seed: int) -> list[str]:
-        stream = build_dataloader(tokenizer, dataclasses.replace(training, seed=seed), 0, 1).dataset
+        stream = build_stream(tokenizer, dataclasses.replace(training, seed=seed))
+        assert [stream.sources[i].name for i in stream.source_ids(0, 4000)] == \
+            [stream.source_of(index).name for index in range(4000)]
         return [stream.source_of(index).name for index in range(4000)]
 
     first = draws(42)
@@ -431,27 +518,29 @@ def test_mixture_draws_follow_the_weights(tmp_path: Path, tokenizer: Tokenizer) 
 
 def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer: Tokenizer,
                                                       titan_records: list[logging.LogRecord]) -> None:
-    """Each source packs its own documents epoch after epoch (and says when one starts); the tokens drawn from
+    """Each source goes through its own windows epoch after epoch (and says when one starts); the tokens drawn from
     each, the position and every later window come back from the state."""
     texts = {"a": ["alpha beta gamma delta", "epsilon"], "b": ["one two three four five six seven eight nine"]}
     names = {key: f"jsonl:{write_jsonl(tmp_path / f'{key}.jsonl', value)}" for key, value in texts.items()}
-    training = Training(mixture=[f"{names['a']}=1", f"{names['b']}=2"], seq_len=5)
-    stream = build_dataloader(tokenizer, training, 0, 1).dataset
-    windows = stream.take(23)
+    training = Training(mixture=[f"{names['a']}=1", f"{names['b']}=2"], seq_len=5, shuffle=False)
+    loader = build_dataloader(tokenizer, training, 0, 1)
+    stream = loader.stream
+    windows = [window for _ in range(23) for window in stream.take(1).tolist()]
     state = copy.deepcopy(stream.state_dict())
-    windows += stream.take(37)
+    windows += [window for _ in range(37) for window in stream.take(1).tolist()]
     drawn = [stream.source_of(index).name for index in range(60)]
     for key, name in names.items():
         own = [window for window, source in zip(windows, drawn) if source == name]
-        assert token_stream(own) == (stream_of(tokenizer, texts[key]) * 60)[: 6 * len(own)]
+        epoch = stream_of(tokenizer, texts[key])
+        assert token_stream(own) == (epoch[: len(epoch) // 6 * 6] * 60)[: 6 * len(own)]
     assert stream.tokens_per_source() == {name: 5 * drawn.count(name) for name in names.values()}
     assert stream.position()["window_index"] == 60 and stream.position()["source"] == stream.source_of(60).name
     logged = {r.getMessage() for r in titan_records}
     assert {f"Data: source {name} starts epoch 2" for name in names.values()} <= logged
     resumed = build_dataloader(tokenizer, training, 0, 1)
     resumed.load_state_dict(state)
-    assert resumed.dataset.take(37) == windows[23:]
-    assert resumed.dataset.tokens_per_source() == stream.tokens_per_source()
+    assert resumed.stream.take(37).tolist() == windows[23:]
+    assert resumed.stream.tokens_per_source() == stream.tokens_per_source()
     other_data = build_dataloader(tokenizer, Training(), 0, 1)
     with pytest.raises(ConfigError, match="--checkpoint.exclude_from_loading dataloader"):
         other_data.load_state_dict(state)
@@ -462,9 +551,9 @@ def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer:
 
 def test_validation_is_one_pass_with_the_same_batches_on_every_rank(tmp_path: Path, tokenizer: Tokenizer,
                                                                    corpus: list[str]) -> None:
-    """Every iteration is one pass from the first document; ranks split each global batch as in training, and all
-    yield the same number of batches: the incomplete last global batch is left out. --validation.steps caps the
-    batches; unset, local_batch_size and seq_len are training's."""
+    """Every iteration is one pass from the first window, in document order; ranks split each global batch as in
+    training, and all yield the same number of batches: the incomplete last global batch is left out.
+    --validation.steps caps the batches; unset, local_batch_size and seq_len are training's."""
     texts = corpus[:2]
     validation = Validation(enable=True, dataset="jsonl", dataset_path=str(write_jsonl(tmp_path / "v.jsonl", texts)))
     training = Training(seq_len=31, local_batch_size=3)
@@ -474,6 +563,7 @@ def test_validation_is_one_pass_with_the_same_batches_on_every_rank(tmp_path: Pa
     passes = [list(batches) for batches in per_rank]
     assert len(passes[0]) == len(passes[1]) == num_windows // 6
     assert passes[0][0][0].shape == (3, 31)
+    assert passes[0][0][0][0].tolist() == stream_of(tokenizer, texts)[:31]
     assert_same_batches(list(per_rank[1]), passes[1])  # the second pass starts over
     one_process = build_validation_batches(tokenizer, validation, dataclasses.replace(training, local_batch_size=6),
                                            0, 1)
@@ -551,7 +641,7 @@ def test_data_shorter_than_one_window(tmp_path: Path, tokenizer: Tokenizer) -> N
 
 def test_hf_local_folder_is_one_global_stream_and_resumes(tmp_path: Path, tokenizer: Tokenizer,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every rank streams the whole dataset and keeps its windows, as with local files."""
+    """A local Hugging Face dataset is tokenized into a store once and read like local files."""
     pytest.importorskip("datasets", reason="the hf source needs the optional `datasets` package (titan[hf])")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     texts = [f"hf document {i} " + "word " * i for i in range(12)]
@@ -568,9 +658,17 @@ def test_hf_local_folder_is_one_global_stream_and_resumes(tmp_path: Path, tokeni
     assert_same_batches(take_batches(resumed, 4), one_process[2:])
 
 
-def test_hf_without_datasets_package(monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:
+def test_hf_without_datasets_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer: Tokenizer) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` raise ImportError
+    write_jsonl(tmp_path / "train.jsonl", ["text"])
     with pytest.raises(ConfigError, match=r"--training\.dataset hf .*pip install titan\[hf\]"):
+        first_batch(tokenizer, Training(dataset="hf", dataset_path=str(tmp_path)))
+
+
+def test_hf_hub_dataset_is_prepared_on_its_own(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ConfigError, match=r"--training\.dataset hf --training\.dataset_path 'some/dataset' is not a "
+                                          r"local folder.*python -m titan\.data\.prepare --dataset hf --dataset_path "
+                                          r"some/dataset --out STORE"):
         first_batch(tokenizer, Training(dataset="hf", dataset_path="some/dataset"))
 
 

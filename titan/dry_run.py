@@ -32,7 +32,7 @@ def dry_run(cfg: JobConfig, argv: list[str], world_size: int, ranks: list[int] |
     and parsed from `argv` (which a rank simulated in a process of its own parses again). Returns the exit code (a
     rank simulated here raises its errors instead)."""
     # Imported here: the trainer's imports are slow, and a config error should come out before them.
-    from titan.estimate.report import check_fits, format_report
+    from titan.estimate.report import check_fits, format_report, warn_slow_data
     from titan.estimate.simulate import run_dry_run
 
     ranks = ranks if ranks is not None else sorted({0, world_size - 1})
@@ -44,6 +44,7 @@ def dry_run(cfg: JobConfig, argv: list[str], world_size: int, ranks: list[int] |
         return simulate_in_subprocesses(argv, world_size, ranks)
     result = run_dry_run(cfg, world_size, ranks[0])
     logger.info(format_report(result, cfg.estimate))
+    warn_slow_data(result, cfg.estimate)
     check_fits(result, cfg.estimate)
     return 0
 

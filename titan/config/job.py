@@ -113,12 +113,21 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: Literal["shipped", "text", "jsonl", "hf"] = "shipped"
+    dataset: Literal["shipped", "text", "jsonl", "hf", "prepared"] = "shipped"
     """Data source: shipped (the small corpus in titan/data/corpus/), text or jsonl files given by
-    --training.dataset_path, or a Hugging Face dataset (needs the `hf` extra)."""
+    --training.dataset_path, a Hugging Face dataset (needs the `hf` extra), or a token store made by
+    `python -m titan.data.prepare`. All but prepared are tokenized into a store on first use (in
+    --training.dataset_cache_dir) and read from it after."""
     dataset_path: str | None = None
     """A file, folder or glob for text/jsonl data (text: blank lines separate documents; jsonl: one object
-    per line with a "text" field); the dataset name or folder for hf. Unused for shipped."""
+    per line with a "text" field); the dataset name or folder for hf; the store's folder for prepared. Unused for
+    shipped."""
+    dataset_cache_dir: str = ""
+    """Folder for the token stores made on first use (under its token_stores/). Empty: $TITAN_CACHE_DIR, else
+    ~/.cache/titan."""
+    shuffle: bool = True
+    """Visit each source's windows in a new seeded order every epoch (from --training.seed, the epoch and the data);
+    off: in the order of the documents."""
     local_batch_size: Count = 8
     """Sequences per device per micro-step."""
     global_batch_size: CountOrAuto = -1
@@ -148,7 +157,7 @@ class Training:
     """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
     mixture: list[str] = field(default_factory=list)
     """Several weighted data sources instead of --training.dataset: each is DATASET[:PATH]=WEIGHT, with DATASET one
-    of shipped, text, jsonl (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of tables,
+    of shipped, text, jsonl, hf, prepared (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of tables,
     `mixture = [{dataset = "shipped", weight = 1}, {dataset = "jsonl", path = "data/code.jsonl", weight = 3}]`).
     Each sequence comes from one source, drawn with probability proportional to its weight (from --training.seed and
     the sequence's index, so every layout and a resumed run draw alike); a source that runs out starts over. Empty:
@@ -175,11 +184,13 @@ class Validation:
     enable: bool = False
     """Evaluate the loss on held-out data every --validation.freq steps and at the last step (logged as val_loss
     and val_perplexity at that training step)."""
-    dataset: Literal["shipped", "text", "jsonl", "hf"] = "shipped"
+    dataset: Literal["shipped", "text", "jsonl", "hf", "prepared"] = "shipped"
     """Evaluation data: shipped (the held-out 1 in 20 documents of the shipped corpus, which training never
-    reads), or text, jsonl or hf data given by --validation.dataset_path, read as --training.dataset reads it."""
+    reads), or text, jsonl, hf or prepared data given by --validation.dataset_path, read as --training.dataset reads
+    it (in document order, never shuffled)."""
     dataset_path: str | None = None
-    """A file, folder or glob (text, jsonl) or a dataset name or folder (hf). Unused for shipped."""
+    """A file, folder or glob (text, jsonl), a dataset name or folder (hf) or a store's folder (prepared). Unused
+    for shipped."""
     freq: Count = 100
     """Training steps between evaluations."""
     steps: CountOrAuto = -1

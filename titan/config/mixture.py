@@ -4,9 +4,8 @@ tables in it), the config rules (which check it) and the data loader (which buil
 import math
 from dataclasses import dataclass
 
-MIXTURE_DATASETS = ("shipped", "text", "jsonl")
-"""Datasets a mixture can draw from. hf is left out: every source restarts from its first document when it runs
-out, and re-streaming a remote dataset for that is better done by mixing local copies."""
+MIXTURE_DATASETS = ("shipped", "text", "jsonl", "hf", "prepared")
+"""Datasets a mixture can draw from: all of them, each read from its token store."""
 SPELLING = "DATASET[:PATH]=WEIGHT, e.g. shipped=1 or jsonl:data/code.jsonl=3"
 
 

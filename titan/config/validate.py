@@ -150,10 +150,23 @@ def dataset_path_problem(section: str, dataset: str, dataset_path: str | None) -
         return None
     if dataset_path is None:
         return (f"{section}.dataset {dataset} needs {section}.dataset_path (files, a folder or a glob; a dataset name "
-                f"for hf).")
+                f"for hf; a store's folder for prepared).")
     if dataset in ("text", "jsonl") and not path_matches(dataset_path):
         return f"{section}.dataset_path {dataset_path!r} matches no file or folder. Check the path or glob."
+    if dataset == "hf" and not resolve_path(dataset_path).is_dir():
+        return hub_dataset_problem(f"{section}.dataset", f"{section}.dataset_path", dataset_path)
+    if dataset == "prepared" and not resolve_path(dataset_path).is_dir():
+        return (f"{section}.dataset_path {dataset_path!r} is not a folder: --training.dataset prepared reads a token "
+                f"store made by `python -m titan.data.prepare`. Check the path, or prepare the store first.")
     return None
+
+
+def hub_dataset_problem(dataset_flag: str, path_flag: str, name: str) -> str:
+    """Hub datasets are too large to tokenize on a job's first start: they are prepared once, on their own."""
+    return (f"{dataset_flag} hf {path_flag} {name!r} is not a local folder: a dataset from the Hugging Face hub is "
+            f"tokenized once, before training, with `python -m titan.data.prepare --dataset hf --dataset_path {name} "
+            f"--out STORE` (needs the `hf` extra and the network), then trained on with --training.dataset prepared "
+            f"--training.dataset_path STORE.")
 
 
 def path_matches(path: str) -> bool:
@@ -170,7 +183,9 @@ def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
         except ValueError as bad:
             problems.append(f"--training.mixture entry {text!r} {bad}")
             continue
-        if entry.path is not None and not path_matches(entry.path):
+        if entry.dataset == "hf" and not resolve_path(str(entry.path)).is_dir():
+            problems.append(hub_dataset_problem("--training.mixture", "entry", str(entry.path)))
+        elif entry.path is not None and not path_matches(entry.path):
             problems.append(f"--training.mixture entry {text!r} has path {entry.path!r}, which matches no file or "
                             f"folder. Check the path or glob.")
         if entry.source in sources:

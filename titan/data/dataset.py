@@ -1,6 +1,6 @@
-"""Documents in, packed token windows out.
+"""Documents in: the sources a job reads, before they are tokenized into token stores (titan/data/store.py).
 
-Sources, chosen by --training.dataset (several at once, weighted, by --training.mixture: titan/data/mixture.py):
+Sources, chosen by --training.dataset (several at once, weighted, by --training.mixture: titan/data/stream.py):
   shipped  titan/data/corpus/stdlib_docs.jsonl.gz: Python's reference docs and stdlib docstrings (PSF licence).
            1 in HELD_OUT_EVERY documents are held out: training never reads them, --validation.dataset shipped
            reads only them.
@@ -8,35 +8,27 @@ Sources, chosen by --training.dataset (several at once, weighted, by --training.
            glob. Blank lines separate documents.
   jsonl    .jsonl or .jsonl.gz files named the same way (a folder: the files with those suffixes); the "text"
            field of each line is one document.
-  hf       a Hugging Face dataset name or folder, streamed by `datasets` (the `hf` extra); its "text" column.
-           Every data-parallel rank streams all of it (see below).
+  hf       a Hugging Face dataset, streamed by `datasets` (the `hf` extra) once, to tokenize it; its "text" column.
+           A local folder is tokenized on first use; a hub dataset with `python -m titan.data.prepare`.
+  prepared a token store made by `python -m titan.data.prepare` (its folder in --training.dataset_path).
 
-Local documents are numbered across the sorted file list. Each document becomes BOS + tokens + EOS; the documents
-are concatenated in order and cut into windows of seq_len + 1 tokens that do not overlap, and a window gives
-(inputs, labels) = (window[:-1], window[1:]). For training the stream repeats forever, one epoch per pass over the
-documents. Its state is the position of the next unused token (epoch, document, token offset), so a resumed stream
-yields exactly the windows an uninterrupted one would have.
-
-There is one such stream per source for the whole job, not one per rank: every data-parallel rank reads and
-tokenizes all of it and keeps only its own windows of each global batch (titan/data/loader.py), so the sample
-order, and a checkpoint's data position, do not depend on the data-parallel degree.
+Local documents are read in the order of the sorted file list. Each source is tokenized once into a token store
+(titan/data/cache.py finds or makes it); training then reads windows of token ids from the store
+(titan/data/stream.py).
 """
 
 import glob
 import gzip
-import itertools
 import json
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 from titan.config.errors import ConfigError
 from titan.config.paths import PROJECT_ROOT, resolve_path
-from titan.data.tokenizer import Tokenizer
-from titan.metrics.log import logger
+from titan.data.store import SourceDescription
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent / "corpus" / "stdlib_docs.jsonl.gz"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -142,6 +134,8 @@ def glob_paths(pattern: str) -> list[Path]:
 class DocumentSource(Protocol):
     origin: str
     """The flag and value the documents come from, for error messages."""
+    description: SourceDescription
+    """What a token store of these documents records as its source."""
 
     def documents(self) -> Iterator[str]:
         """Every document in a fixed order; a new call starts again from the first."""
@@ -170,6 +164,7 @@ class LocalDocuments:
     files: list[Path]
     read: Callable[[Path, str], Iterator[str]]
     origin: str
+    description: SourceDescription
     keep: Callable[[str], bool] | None = None
     """Which documents to read, for the shipped corpus's training and validation splits; None: all."""
 
@@ -183,6 +178,11 @@ class HuggingFaceDocuments:
 
     def __init__(self, name: str, dataset_flag: str, path_flag: str) -> None:
         self.origin = f"{path_flag} {name!r}"
+        folder = resolve_path(name)
+        # A local folder is hashed like local files; a hub dataset is known by its name alone.
+        files = tuple(sorted(p for p in folder.rglob("*") if p.is_file() and wanted_in_folder(
+            p.relative_to(folder), "text"))) if folder.is_dir() else ()
+        self.description = SourceDescription("hf", name, "all", files)
         try:
             import datasets
         except ImportError:
@@ -209,121 +209,14 @@ def build_document_source(dataset: str, dataset_path: str | None, dataset_flag: 
     the flags they came from in error messages ("--training.dataset", "--training.dataset_path"); `held_out` picks
     the shipped corpus's validation documents instead of its training documents."""
     if dataset == "shipped":
+        split = "held_out" if held_out else "train"
+        description = SourceDescription("shipped", None, split, (SHIPPED_CORPUS,))
         keep = is_held_out if held_out else is_training_document
-        return LocalDocuments([SHIPPED_CORPUS], read_jsonl_documents, f"{dataset_flag} shipped", keep)
+        return LocalDocuments([SHIPPED_CORPUS], read_jsonl_documents, f"{dataset_flag} shipped", description, keep)
     assert dataset_path is not None, "config/validate.py requires a dataset path here"
     if dataset == "hf":
         return HuggingFaceDocuments(dataset_path, dataset_flag, path_flag)
     read = read_text_documents if dataset == "text" else read_jsonl_documents
-    return LocalDocuments(find_files(dataset_path, dataset, path_flag), read, f"{path_flag} {dataset_path!r}")
-
-
-class Position(NamedTuple):
-    """Where the next window starts: `token_offset` tokens into document `document_index` (counted in the
-    source's documents, BOS included) of pass `epoch` (0 is the first pass)."""
-
-    epoch: int
-    document_index: int
-    token_offset: int
-
-
-START = Position(epoch=0, document_index=0, token_offset=0)
-
-
-@dataclass
-class Segment:
-    """A document's tokens, of which the first `start` are already in earlier windows."""
-
-    epoch: int
-    document_index: int
-    tokens: list[int]
-    start: int
-
-
-class PackedWindows:
-    """One source's documents packed into windows of seq_len + 1 token ids, from `position` on."""
-
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, name: str) -> None:
-        """`name` is the source's name in logs ("shipped", "jsonl:data/code.jsonl")."""
-        self.source = source
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.name = name
-        self.position = START
-        self._endless: Iterator[list[int]] | None = None
-
-    def next_window(self) -> list[int]:
-        """The window at `position` of the endless stream (epoch after epoch), which then moves past it."""
-        if self._endless is None:
-            self._endless = self.windows(loop=True)
-        return next(self._endless)
-
-    def restart_at(self, position: Position) -> None:
-        """Make `position` the next window's start (a resumed run's)."""
-        self.position = position
-        self._endless = None
-
-    def windows(self, loop: bool) -> Iterator[list[int]]:
-        """Windows from `position` on: forever with `loop`, else to the end of the current pass (the tokens of an
-        incomplete last window are dropped). `position` follows each window yielded."""
-        window_len = self.seq_len + 1
-        pending: deque[Segment] = deque()
-        num_pending = 0
-        for segment in self._segments(loop):
-            pending.append(segment)
-            num_pending += len(segment.tokens) - segment.start
-            while num_pending >= window_len:
-                window = take_tokens(pending, window_len)
-                num_pending -= window_len
-                if pending:
-                    front = pending[0]
-                    self.position = Position(front.epoch, front.document_index, front.start)
-                else:
-                    self.position = Position(segment.epoch, segment.document_index + 1, 0)
-                yield window
-
-    def _segments(self, loop: bool) -> Iterator[Segment]:
-        """Tokenized documents from the current position on: epoch after epoch with `loop`, else this pass's."""
-        epoch, first_document, offset = self.position
-        while True:
-            from_start = first_document == 0 and offset == 0
-            if from_start and loop:
-                logger.info(f"Data: source {self.name} starts epoch {epoch}")
-            num_documents = num_tokens = 0
-            documents = itertools.islice(self.source.documents(), first_document, None)
-            for document_index, text in enumerate(documents, start=first_document):
-                if not text:
-                    continue  # BOS + EOS alone would teach nothing
-                tokens = self.tokenizer.encode(text, bos=True, eos=True)
-                num_documents += 1
-                num_tokens += len(tokens)
-                yield Segment(epoch, document_index, tokens, offset)
-                offset = 0
-            if not loop:
-                return
-            if from_start:
-                self._check_epoch(num_documents, num_tokens)
-            epoch, first_document, offset = epoch + 1, 0, 0
-
-    def _check_epoch(self, num_documents: int, num_tokens: int) -> None:
-        """Data without a full window per pass would only ever repeat itself inside one sequence (and data without
-        any would loop forever)."""
-        if num_documents == 0:
-            raise ConfigError(f"{self.source.origin} has no documents with text. Point it at non-empty data.")
-        if num_tokens < self.seq_len + 1:
-            raise ConfigError(f"{self.source.origin} has only {num_tokens} tokens per epoch, but one sequence needs "
-                              f"--training.seq_len {self.seq_len} + 1 = {self.seq_len + 1}. Lower "
-                              f"--training.seq_len or add more data.")
-
-
-def take_tokens(pending: deque[Segment], count: int) -> list[int]:
-    """Remove and return the next `count` tokens from the front of `pending`, which holds at least that many."""
-    tokens: list[int] = []
-    while len(tokens) < count:
-        segment = pending[0]
-        end = min(segment.start + count - len(tokens), len(segment.tokens))
-        tokens.extend(segment.tokens[segment.start : end])
-        segment.start = end
-        if end == len(segment.tokens):
-            pending.popleft()
-    return tokens
+    files = find_files(dataset_path, dataset, path_flag)
+    return LocalDocuments(files, read, f"{path_flag} {dataset_path!r}",
+                          SourceDescription(dataset, dataset_path, "all", tuple(files)))

@@ -1,61 +1,123 @@
-"""Data loaders: this data-parallel rank's share of each global batch, for training (endless, resumable through
-state_dict()) and for validation (one pass, the same every evaluation).
+"""Data loaders: this data-parallel rank's share of each global batch, for training (endless, prefetched, resumable
+through state_dict()) and for validation (one pass, the same every evaluation).
 
-A global batch is the next local_batch_size x dp_degree windows of the global stream (titan/data/mixture.py), and
+A global batch is the next local_batch_size x dp_degree windows of the global stream (titan/data/stream.py), and
 data-parallel rank r takes windows [r x local_batch_size, (r + 1) x local_batch_size) of it. So a run with D ranks
 of batch B trains on the samples of one process with batch B x D (or with batch B and D accumulation steps), and
-a checkpoint resumes on any data-parallel degree. The price: every rank tokenizes the whole stream to find its
-windows, in the training loop. Packing with the shipped tokenizer runs at about 3.5M tokens/s on one CPU core, so
-at T tokens/s per GPU the data takes dp_degree x T / 3.5M of each step (1.4% at dp 8 and 6k tokens/s per GPU).
+a checkpoint resumes on any data-parallel degree. Each rank reads only its own windows from the memory-mapped token
+stores, so its data cost per step does not grow with the data-parallel degree.
+
+Training batches come through a torchdata.nodes pipeline: a background thread prepares the next batches (and pins
+them on CUDA) while the current step runs. Each batch carries the stream's state after it, and the loader's state
+is that of the last batch handed to the trainer: batches prefetched but not trained on are trained on after a
+resume.
 """
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
+from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
 
 from titan.config.errors import ConfigError
 from titan.config.job import Training, Validation
 from titan.config.mixture import MixtureEntry, parse_mixture_entry
-from titan.data.dataset import START, PackedWindows, build_document_source
-from titan.data.mixture import MixedWindows
+from titan.config.paths import resolve_path
+from titan.config.validate import hub_dataset_problem
+from titan.data.cache import cache_dir, cached_store, cached_store_path
+from titan.data.dataset import build_document_source
+from titan.data.store import META_FILE, TokenStore, open_store, source_changes
+from titan.data.stream import SourceWindows, WindowStream
 from titan.data.tokenizer import Tokenizer
 
+PREFETCH_BATCHES = 2
+"""Batches prepared ahead of the step that trains on them."""
 
-def rank_batch(global_batch: list[list[int]], dp_rank: int,
-               local_batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Data-parallel rank `dp_rank`'s (inputs, labels) of a global batch of windows of seq_len + 1 ids: its
-    `local_batch_size` windows, both int64 of shape (local_batch_size, seq_len)."""
-    first = dp_rank * local_batch_size
-    windows = global_batch[first : first + local_batch_size]
-    batch = torch.tensor(windows, dtype=torch.long)  # (local_batch_size, seq_len + 1)
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def as_batch(windows: np.ndarray) -> Batch:
+    """(inputs, labels) of windows of seq_len + 1 ids: int64 of shape (len(windows), seq_len) each."""
+    batch = torch.from_numpy(windows)
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
-class DataParallelLoader:
-    """Endless (inputs, labels) batches of shape (local_batch_size, seq_len): this rank's windows of each global
-    batch of `dataset`, the global stream, which every rank reads in full."""
+class RankBatches(BaseNode):
+    """torchdata node: this rank's (inputs, labels) of consecutive global batches, each with the stream's state
+    after it."""
 
-    def __init__(self, dataset: MixedWindows, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
-        self.dataset = dataset
+    def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
+        super().__init__()
+        self.stream = stream
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from the stream's current position; the position lives in `dataset`, so an iterator made before
-        load_state_dict() continues from the loaded position."""
-        while True:
-            yield rank_batch(self.dataset.take(self.local_batch_size * self.dp_degree), self.dp_rank,
-                             self.local_batch_size)
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        """Start from `initial_state`; None keeps the stream where it is (the loader sets it before a new pass)."""
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.stream.load_state_dict(initial_state)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        windows = self.stream.take(self.local_batch_size * self.dp_degree, self.dp_rank * self.local_batch_size,
+                                   self.local_batch_size)
+        return *as_batch(windows), self.stream.state_dict()
+
+    def get_state(self) -> dict[str, Any]:
+        return self.stream.state_dict()
+
+
+class DataParallelLoader:
+    """Endless (inputs, labels) batches of shape (local_batch_size, seq_len): this rank's windows of each global
+    batch of `stream`, PREFETCH_BATCHES ahead in a background thread and, with `pin_memory`, in pinned memory."""
+
+    def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
+                 pin_memory: bool = False) -> None:
+        self.stream = stream
+        """At the loaded position; each iterator advances a copy of its own."""
+        self.local_batch_size = local_batch_size
+        self.dp_rank = dp_rank
+        self.dp_degree = dp_degree
+        self.pin_memory = pin_memory
+        self._consumed = stream.state_dict()
+        self.prefetching: WindowStream | None = None
+        """The latest iterator's stream, which its background thread advances ahead of the batches handed out."""
+
+    def __iter__(self) -> Iterator[Batch]:
+        """Batches from the last one handed out (or the loaded state) on. A new iterator starts after the last batch
+        any iterator handed out; an earlier iterator's thread keeps its own copy of the stream, so it cannot move
+        this one's."""
+        stream = self.stream.copy()
+        stream.load_state_dict(self._consumed)
+        self.prefetching = stream
+        node: BaseNode = RankBatches(stream, self.local_batch_size, self.dp_rank, self.dp_degree)
+        if self.pin_memory:
+            node = PinMemory(node)
+        return self._batches(Loader(Prefetcher(node, prefetch_factor=PREFETCH_BATCHES)))
+
+    def _batches(self, loader: Loader) -> Iterator[Batch]:
+        for inputs, labels, state in loader:
+            self._consumed = state
+            yield inputs, labels
 
     def state_dict(self) -> dict[str, Any]:
-        """The global stream's position, the same on every rank and for every layout."""
-        return self.dataset.state_dict()
+        """The position after the last batch handed out: the same on every rank and for every layout."""
+        return dict(self._consumed)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state_dict)
+        """Continue from `state_dict` at the next iter(). Raises a ConfigError if it does not fit this data."""
+        self.stream.load_state_dict(state_dict)  # checks it now, in the caller's thread
+        self._consumed = self.stream.state_dict()
+
+    def position(self) -> dict[str, Any]:
+        """Where the next batch to hand out starts (for anomaly records); see WindowStream.position."""
+        return self.stream.position(self._consumed)
+
+    def tokens_per_source(self) -> dict[str, int]:
+        """Input tokens handed out from each source since the run's first step, over all data-parallel ranks."""
+        return self.stream.tokens_per_source(self._consumed)
 
 
 def training_entries(training: Training) -> list[tuple[MixtureEntry, str, str]]:
@@ -66,21 +128,58 @@ def training_entries(training: Training) -> list[tuple[MixtureEntry, str, str]]:
     return [(single, "--training.dataset", "--training.dataset_path")]
 
 
-def build_dataloader(tokenizer: Tokenizer, training: Training, dp_rank: int, dp_degree: int) -> DataParallelLoader:
-    """The training loader of data-parallel rank `dp_rank` of `dp_degree`: --training.dataset, or the sources of
-    --training.mixture drawn with --training.seed."""
-    sources = [(PackedWindows(build_document_source(entry.dataset, entry.path, dataset_flag, path_flag), tokenizer,
-                              training.seq_len, entry.source), entry.weight)
-               for entry, dataset_flag, path_flag in training_entries(training)]
-    return DataParallelLoader(MixedWindows(sources, training.seed), training.local_batch_size, dp_rank, dp_degree)
+def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, cache: str, dataset_flag: str,
+                 path_flag: str, held_out: bool = False, prepare: bool = True) -> tuple[TokenStore | None, str]:
+    """The token store of a source and the flag and value it comes from (for error messages): a prepared store as
+    it is, any other source's from the cache, tokenized on first use (with `prepare`; else None when it is not
+    there yet)."""
+    if dataset == "prepared":
+        assert dataset_path is not None, "config/validate.py requires a dataset path here"
+        store = open_store(resolve_path(dataset_path), tokenizer)
+        changed = source_changes(store.meta)
+        if changed:
+            raise ConfigError(f"Token store {store.path}: its source changed since it was prepared "
+                              f"({', '.join(changed)}). Prepare it again with `python -m titan.data.prepare`, or "
+                              f"restore the source.")
+        return store, f"{path_flag} {dataset_path!r}"
+    if dataset == "hf" and not resolve_path(str(dataset_path)).is_dir():
+        raise ConfigError(hub_dataset_problem(dataset_flag, path_flag, str(dataset_path)))
+    source = build_document_source(dataset, dataset_path, dataset_flag, path_flag, held_out=held_out)
+    folder = cache_dir(cache)
+    if not prepare:
+        path = cached_store_path(source, tokenizer, folder)
+        return (open_store(path, tokenizer) if (path / META_FILE).is_file() else None), source.origin
+    return cached_store(source, tokenizer, folder), source.origin
+
+
+def build_stream(tokenizer: Tokenizer, training: Training, prepare: bool = True) -> WindowStream | None:
+    """The global window stream of --training.dataset, or of the sources of --training.mixture drawn with
+    --training.seed. Without `prepare`, None when a source's store is not made yet."""
+    sources = []
+    for entry, dataset_flag, path_flag in training_entries(training):
+        store, origin = source_store(entry.dataset, entry.path, tokenizer, training.dataset_cache_dir, dataset_flag,
+                                     path_flag, prepare=prepare)
+        if store is None:
+            return None
+        sources.append((SourceWindows(store, training.seq_len, entry.source, origin, training.seed,
+                                      training.shuffle), entry.weight))
+    return WindowStream(sources, training.seed)
+
+
+def build_dataloader(tokenizer: Tokenizer, training: Training, dp_rank: int, dp_degree: int,
+                     pin_memory: bool = False) -> DataParallelLoader:
+    """The training loader of data-parallel rank `dp_rank` of `dp_degree`."""
+    stream = build_stream(tokenizer, training)
+    assert stream is not None, "build_stream prepares every store it needs"
+    return DataParallelLoader(stream, training.local_batch_size, dp_rank, dp_degree, pin_memory)
 
 
 class ValidationBatches:
-    """One pass over the validation set per iteration, from its first document every time: this rank's share of
-    each complete global batch, at most `max_batches` of them (-1: all). Every rank yields the same number of
-    batches, so none waits in a collective for a batch another rank does not have."""
+    """One pass over the validation set per iteration, from its first window every time, in store order: this
+    rank's share of each complete global batch, at most `max_batches` of them (-1: all). Every rank yields the same
+    number of batches, so none waits in a collective for a batch another rank does not have."""
 
-    def __init__(self, windows: PackedWindows, local_batch_size: int, max_batches: int, dp_rank: int,
+    def __init__(self, windows: SourceWindows, local_batch_size: int, max_batches: int, dp_rank: int,
                  dp_degree: int) -> None:
         self.windows = windows
         self.local_batch_size = local_batch_size
@@ -89,20 +188,15 @@ class ValidationBatches:
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
 
-    def global_batches(self) -> Iterator[list[list[int]]]:
-        """The complete global batches of one pass, each a list of local_batch_size x dp_degree windows."""
-        self.windows.restart_at(START)
-        stream = self.windows.windows(loop=False)
-        global_batch_size = self.local_batch_size * self.dp_degree
-        for _ in itertools.count() if self.max_batches == -1 else range(self.max_batches):
-            windows = list(itertools.islice(stream, global_batch_size))
-            if len(windows) < global_batch_size:
-                return
-            yield windows
+    def num_batches(self) -> int:
+        complete = self.windows.per_epoch // (self.local_batch_size * self.dp_degree)
+        return complete if self.max_batches == -1 else min(complete, self.max_batches)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for windows in self.global_batches():
-            yield rank_batch(windows, self.dp_rank, self.local_batch_size)
+    def __iter__(self) -> Iterator[Batch]:
+        global_batch_size = self.local_batch_size * self.dp_degree
+        for batch in range(self.num_batches()):
+            first = batch * global_batch_size + self.dp_rank * self.local_batch_size
+            yield as_batch(np.stack([self.windows.window(first + row) for row in range(self.local_batch_size)]))
 
 
 def build_validation_batches(tokenizer: Tokenizer, validation: Validation, training: Training, dp_rank: int,
@@ -112,20 +206,20 @@ def build_validation_batches(tokenizer: Tokenizer, validation: Validation, train
     one global batch."""
     local_batch_size = validation.local_batch_size or training.local_batch_size
     seq_len = validation.seq_len or training.seq_len
-    source = build_document_source(validation.dataset, validation.dataset_path, "--validation.dataset",
-                                   "--validation.dataset_path", held_out=True)
-    batches = ValidationBatches(PackedWindows(source, tokenizer, seq_len, source.origin), local_batch_size,
-                                validation.steps, dp_rank, dp_degree)
-    check_one_global_batch(batches, validation, source.origin)
+    store, origin = source_store(validation.dataset, validation.dataset_path, tokenizer, training.dataset_cache_dir,
+                                 "--validation.dataset", "--validation.dataset_path", held_out=True)
+    seq_len_flag = "--validation.seq_len" if validation.seq_len else "--training.seq_len"
+    windows = SourceWindows(store, seq_len, origin, origin, training.seed, shuffle=False, seq_len_flag=seq_len_flag)
+    batches = ValidationBatches(windows, local_batch_size, validation.steps, dp_rank, dp_degree)
+    check_one_global_batch(batches, validation, origin)
     return batches
 
 
 def check_one_global_batch(batches: ValidationBatches, validation: Validation, origin: str) -> None:
     """A validation set must fill one global batch, or every evaluation would average over nothing."""
     global_batch_size = batches.local_batch_size * batches.dp_degree
-    batches.windows.restart_at(START)
-    num_windows = sum(1 for _ in itertools.islice(batches.windows.windows(loop=False), global_batch_size))
-    if num_windows == global_batch_size:
+    num_windows = batches.windows.per_epoch
+    if num_windows >= global_batch_size:
         return
     # None fields took training's values: name the flag the value came from.
     section = "validation" if validation.local_batch_size else "training"
@@ -136,3 +230,4 @@ def check_one_global_batch(batches: ValidationBatches, validation: Validation, o
     raise ConfigError(f"{origin} gives {num_windows} window(s) of {seq_len_flag} + 1 tokens, fewer than one global "
                       f"batch of {batch_flag} x data-parallel degree {batches.dp_degree} = {global_batch_size}. "
                       f"{fix}, or use a larger validation set (--validation.dataset_path).")
+

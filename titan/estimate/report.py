@@ -5,7 +5,9 @@ that GPU's memory is the one verdict; everything about time is labelled an estim
 from collections import defaultdict
 
 from titan.config.errors import ConfigError
+from titan.metrics.log import logger
 from titan.config.job import Estimate
+from titan.estimate.data_cost import data_report_lines
 from titan.estimate.roofline import GPUS, Network, StepEstimate, collective_seconds, estimate_step
 from titan.estimate.trace import CATEGORIES
 from titan.estimate.simulate import DryRunResult
@@ -64,6 +66,7 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
         f"{sum(step.exposed_comm_s.values()):.3f} s = {step.step_s:.3f} s per step",
         f"  {result.tokens_per_gpu:,} tokens per GPU per step: {step.tokens_per_s:,.0f} tokens/s per GPU, MFU "
         f"{step.mfu_pct:.1f}%",
+        *data_report_lines(result.data, step.step_s),
     ]
     return "\n".join(lines)
 
@@ -77,3 +80,13 @@ def check_fits(result: DryRunResult, est: Estimate) -> None:
             f"more than the {gpu.hbm_bytes / GIB:.1f} GiB of an {gpu.name} (--estimate.gpu). Try "
             f"--activation_checkpoint.mode full, a smaller --training.local_batch_size, or more ranks for FSDP "
             f"(--parallelism.data_parallel_shard_degree) or TP (--parallelism.tensor_parallel_degree).")
+
+
+def warn_slow_data(result: DryRunResult, est: Estimate) -> None:
+    """Data slower than the step starves the GPU whatever the prefetch: worth a warning, not an error (the roofline
+    step is an estimate)."""
+    step_s = step_estimate(result, est).step_s
+    if not result.data.keeps_up(step_s):
+        logger.warning(f"Rank {result.rank}'s loader would need {result.data.seconds_per_step:.3f} s per step for "
+                       f"its batches, longer than the estimated {step_s:.3f} s step: the GPUs would wait for data. "
+                       f"Use a faster disk for the token stores or a larger --training.local_batch_size per step.")

@@ -22,11 +22,12 @@ from titan.config.job import JobConfig
 from titan.config.paths import resolve_path
 from titan.config.stages import ideal_bubble_fraction
 from titan.data.tokenizer import build_tokenizer
+from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
 from titan.models.llama.args import LLAMA3_VOCAB_SIZE
-from titan.parallel.dims import Meshes, resolve_dims
+from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.pp import Pipeline, StageExamples, apply_stage_shapes
 from titan.train.step import TrainingStep, build_training_step
 
@@ -47,6 +48,9 @@ class DryRunResult:
     ops: list[OpCost]
     collectives: list[Collective]
     bubble_fraction: float
+    micro_batches: int
+    """Loader batches per step (gradient accumulation steps)."""
+    data: DataCost
 
 
 def join_fake_process_group(rank: int, world_size: int) -> None:
@@ -135,7 +139,7 @@ def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecord
     return recorder
 
 
-def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder) -> DryRunResult:
+def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, data: DataCost) -> DryRunResult:
     d, model_parts, pipeline = training.dims, training.model_parts, training.model_parts.pipeline
     bubble = (ideal_bubble_fraction(pipeline.schedule_name, d.pp, len(pipeline.parts), pipeline.num_microbatches)
               if pipeline is not None else 0.0)
@@ -145,7 +149,8 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder) ->
         rank=rank, world_size=d.world_size, layout=layout, stages=stages, num_params=model_parts.num_params,
         local_params=sum(local_numel(p) for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
-        memory=memory_peak(recorder), ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble)
+        memory=memory_peak(recorder), ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
+        micro_batches=training.grad_accumulation_steps, data=data)
 
 
 def local_numel(param: torch.Tensor) -> int:
@@ -171,7 +176,10 @@ def run_dry_run(cfg: JobConfig, world_size: int, rank: int) -> DryRunResult:
                 examples = stage_examples(training, pipeline, cfg.parallelism.pipeline_parallel_microbatch_size)
                 apply_stage_shapes(pipeline, examples)
         recorder = record_step(training, fake_mode)
-        return dry_run_result(training, rank, recorder)
+        dp_rank, dp_degree = data_parallel_rank(training.meshes)
+        data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,
+                                 training.grad_accumulation_steps)
+        return dry_run_result(training, rank, recorder, data)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -50,7 +50,8 @@ class Trainer:
         set_collective_timeout(self.training.meshes, cfg.comm.init_timeout_seconds)
 
         dp_rank, dp_degree = data_parallel_rank(self.training.meshes)
-        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree)
+        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree,
+                                           pin_memory=self.device.type == "cuda")
         self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
                                                             dp_degree) if cfg.validation.enable else None)
         model_parts = self.training.model_parts
@@ -115,7 +116,7 @@ class Trainer:
         and step unless it is skipped. Returns (loss, grad_norm, the step's anomaly or None)."""
         training = self.training
         training.optimizer.zero_grad()
-        data_position = self.dataloader.dataset.position()
+        data_position = self.dataloader.position()
         waits: list[float] = []
 
         def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -175,7 +176,7 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
         record.update(self.meter.window(self.step, steps_in_window))
         record.update(self.stopper.step_times)
-        tokens_by_source = self.dataloader.dataset.tokens_per_source()
+        tokens_by_source = self.dataloader.tokens_per_source()
         record["tokens_by_source"] = tokens_by_source if len(tokens_by_source) > 1 else None
         for sink in self.sinks:
             sink.write(record)
