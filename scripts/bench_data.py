@@ -38,12 +38,10 @@ from titan.data.loader import RankBatches, build_stream  # noqa: E402
 from titan.data.store import (  # noqa: E402
     DOCUMENTS_FILE,
     META_FILE,
-    STORE_FORMAT,
-    STORE_VERSION,
     TOKENS_FILE,
     NpyWriter,
+    store_meta,
     token_dtype,
-    tokenizer_fingerprint,
 )
 from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
@@ -126,11 +124,8 @@ def random_store(path: Path, tokenizer: Tokenizer, num_tokens: int, document_len
     offsets = NpyWriter(path / DOCUMENTS_FILE, np.dtype(np.int64))
     offsets.append(np.append(np.arange(0, num_tokens, document_len), num_tokens))
     offsets.close()
-    meta = {"format": STORE_FORMAT, "version": STORE_VERSION, "dtype": dtype.name, "num_tokens": num_tokens,
-            "num_documents": offsets.length - 1,
-            "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer), "vocab_size": tokenizer.vocab_size},
-            "source": {"kind": "random", "path": None, "split": "all", "files": []},
-            "content_hash": f"{num_tokens:064x}", "preparation": {}}
+    meta = store_meta(dtype, num_tokens, offsets.length - 1, tokenizer,
+                      {"kind": "random", "path": None, "split": "all", "files": []}, f"{num_tokens:064x}", {})
     (path / META_FILE).write_text(json.dumps(meta))
     return path
 

@@ -43,12 +43,9 @@ def cache_dir(configured: str) -> Path:
 
 def cache_key(source: DocumentSource, tokenizer: Tokenizer) -> str:
     description = source.description
-    files = []
-    for path in description.files:
-        stat = path.stat()
-        files.append([str(path.resolve()), stat.st_size, stat.st_mtime_ns])
     identity = {"version": STORE_VERSION, "kind": description.kind, "path": description.path,
-                "split": description.split, "files": files, "tokenizer": tokenizer_fingerprint(tokenizer)}
+                "split": description.split, "files": description.file_stamps(),
+                "tokenizer": tokenizer_fingerprint(tokenizer)}
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -57,9 +54,13 @@ def cached_store_path(source: DocumentSource, tokenizer: Tokenizer, folder: Path
     return folder / f"{description.kind}-{description.split}-{cache_key(source, tokenizer)[:20]}"
 
 
-def cached_store(source: DocumentSource, tokenizer: Tokenizer, folder: Path) -> TokenStore:
-    """The store of `source` under `folder`, tokenized now if it is not there yet (or is damaged)."""
+def cached_store(source: DocumentSource, tokenizer: Tokenizer, folder: Path, prepare: bool = True
+                 ) -> TokenStore | None:
+    """The store of `source` under `folder`, tokenized now if it is not there yet (or is damaged). Without
+    `prepare` nothing is written: None when the store is not there (the dry run)."""
     path = cached_store_path(source, tokenizer, folder)
+    if not prepare:
+        return open_store(path, tokenizer) if (path / META_FILE).is_file() else None
     try:
         folder.mkdir(parents=True, exist_ok=True)
         lock_file = open(folder / f".{path.name}.lock", "w")

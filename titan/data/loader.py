@@ -25,9 +25,9 @@ from titan.config.job import Training, Validation
 from titan.config.mixture import MixtureEntry, parse_mixture_entry
 from titan.config.paths import resolve_path
 from titan.config.validate import hub_dataset_problem
-from titan.data.cache import cache_dir, cached_store, cached_store_path
+from titan.data.cache import cache_dir, cached_store
 from titan.data.dataset import build_document_source
-from titan.data.store import META_FILE, TokenStore, open_store, source_changes
+from titan.data.store import TokenStore, open_store, source_changes
 from titan.data.stream import SourceWindows, WindowStream
 from titan.data.tokenizer import Tokenizer
 
@@ -145,11 +145,7 @@ def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, c
     if dataset == "hf" and not resolve_path(str(dataset_path)).is_dir():
         raise ConfigError(hub_dataset_problem(dataset_flag, path_flag, str(dataset_path)))
     source = build_document_source(dataset, dataset_path, dataset_flag, path_flag, held_out=held_out)
-    folder = cache_dir(cache)
-    if not prepare:
-        path = cached_store_path(source, tokenizer, folder)
-        return (open_store(path, tokenizer) if (path / META_FILE).is_file() else None), source.origin
-    return cached_store(source, tokenizer, folder), source.origin
+    return cached_store(source, tokenizer, cache_dir(cache), prepare), source.origin
 
 
 def build_stream(tokenizer: Tokenizer, training: Training, prepare: bool = True) -> WindowStream | None:
@@ -230,4 +226,3 @@ def check_one_global_batch(batches: ValidationBatches, validation: Validation, o
     raise ConfigError(f"{origin} gives {num_windows} window(s) of {seq_len_flag} + 1 tokens, fewer than one global "
                       f"batch of {batch_flag} x data-parallel degree {batches.dp_degree} = {global_batch_size}. "
                       f"{fix}, or use a larger validation set (--validation.dataset_path).")
-

@@ -111,13 +111,17 @@ class SourceDescription:
     files: tuple[Path, ...]
     """Local files read, in reading order; empty for a dataset streamed from the Hugging Face hub."""
 
-    def file_records(self) -> list[dict[str, Any]]:
-        records = []
+    def file_stamps(self) -> list[dict[str, Any]]:
+        """Each file's resolved path, size and modification time: what tells a changed file without reading it."""
+        stamps = []
         for path in self.files:
             stat = path.stat()
-            records.append({"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                            "sha256": file_sha256(path)})
-        return records
+            stamps.append({"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        return stamps
+
+    def file_records(self) -> list[dict[str, Any]]:
+        """file_stamps() with each file's SHA-256, as meta.json records them."""
+        return [{**stamp, "sha256": file_sha256(path)} for stamp, path in zip(self.file_stamps(), self.files)]
 
 
 def content_hash(file_records: list[dict[str, Any]], source: SourceDescription, tokenizer_sha: str) -> str:
@@ -311,6 +315,15 @@ class Progress:
         return {"seconds": round(seconds, 3), "tokens_per_second": round(rate), "processes": workers}
 
 
+def store_meta(dtype: np.dtype, num_tokens: int, num_documents: int, tokenizer: Tokenizer, source: dict[str, Any],
+               content: str, preparation: dict[str, Any]) -> dict[str, Any]:
+    """A store's meta.json (the module docstring lists its fields)."""
+    return {"format": STORE_FORMAT, "version": STORE_VERSION, "dtype": dtype.name, "num_tokens": num_tokens,
+            "num_documents": num_documents,
+            "tokenizer": {"sha256": tokenizer_fingerprint(tokenizer), "vocab_size": tokenizer.vocab_size},
+            "source": source, "content_hash": content, "preparation": preparation}
+
+
 def prepare_store(documents: Iterable[str], source: SourceDescription, tokenizer: Tokenizer, out: Path,
                   origin: str, workers: int | None = None) -> TokenStore:
     """Tokenize `documents` (the documents of `source`, in order) into a store at `out`, with `workers` processes
@@ -333,15 +346,10 @@ def prepare_store(documents: Iterable[str], source: SourceDescription, tokenizer
             progress.add(len(lengths), len(chunk_tokens), chars)
         tokens.close()
         offsets.close()
-        tokenizer_sha = tokenizer_fingerprint(tokenizer)
-        meta = {
-            "format": STORE_FORMAT, "version": STORE_VERSION, "dtype": dtype.name,
-            "num_tokens": tokens.length, "num_documents": offsets.length - 1,
-            "tokenizer": {"sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size},
-            "source": {"kind": source.kind, "path": source.path, "split": source.split, "files": file_records},
-            "content_hash": content_hash(file_records, source, tokenizer_sha),
-            "preparation": progress.summary(out, workers if progress.chars > PARALLEL_FROM_CHARS else 1),
-        }
+        source_record = {"kind": source.kind, "path": source.path, "split": source.split, "files": file_records}
+        meta = store_meta(dtype, tokens.length, offsets.length - 1, tokenizer, source_record,
+                          content_hash(file_records, source, tokenizer_fingerprint(tokenizer)),
+                          progress.summary(out, workers if progress.chars > PARALLEL_FROM_CHARS else 1))
         (temporary / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.rename(temporary, out)

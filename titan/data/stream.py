@@ -13,12 +13,11 @@ Window i of the stream comes from one source, drawn by weight as a pure function
 output of splitmix64 seeded with the seed, as a fraction in [0, 1), picks the source whose share of the cumulative
 weights it falls in. --training.dataset alone is a stream of one source.
 
-The state is the index of the next window and the number of windows drawn from each source so far (with the tokens
-drawn and each store's content hash): plain values, the same on every rank and independent of the layout, so a
+The state is the index of the next window and the number of windows drawn from each source so far (with each
+store's content hash and the sequence length, to check a resume against): plain values, the same on every rank and independent of the layout, so a
 resumed run on any data-parallel degree continues exactly.
 """
 
-import bisect
 import copy
 import itertools
 from dataclasses import dataclass
@@ -138,10 +137,7 @@ class WindowStream:
 
     def source_of(self, window_index: int) -> SourceWindows:
         """The source that window `window_index` of the stream is drawn from."""
-        if len(self.sources) == 1:
-            return self.sources[0]
-        fraction = (splitmix64(self.seed, window_index) >> 11) / 2**53
-        return self.sources[bisect.bisect_right(self.bounds, fraction)]
+        return self.sources[int(self.source_ids(window_index, 1)[0])]
 
     def take(self, count: int, first: int = 0, length: int | None = None) -> np.ndarray:
         """Windows [first, first + length) of the next `count` windows of the stream (default: all of them), as an
@@ -188,7 +184,7 @@ class WindowStream:
         """Where the next window comes from (after `state`, default now), as plain JSON-able values for anomaly
         records: its index in the stream, its source, and the epoch and window index in that source's store."""
         window_index, drawn = self.counters(state)
-        index = self.sources.index(self.source_of(window_index))
+        index = int(self.source_ids(window_index, 1)[0])
         epoch, window = self.sources[index].window_at(drawn[index])
         return {"window_index": window_index, "source": self.sources[index].name, "epoch": epoch, "window": window}
 

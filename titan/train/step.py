@@ -38,6 +38,7 @@ from titan.quant.convert import Conversion, apply_converters
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
 
+
 def set_seed(seed: int, deterministic: bool) -> None:
     """Same seed, same weights and same losses on CPU; deterministic also pins GPU kernels."""
     torch.manual_seed(seed)
