@@ -136,6 +136,13 @@ def test_debug_config_is_valid() -> None:
     (["--model.tokenizer_path", "nope.model"], "--model.tokenizer_path 'nope.model'"),
     (["--training.dataset", "text"], "--training.dataset_path"),
     (["--training.dataset", "jsonl", "--training.dataset_path", "/nonexistent/*.jsonl"], "--training.dataset_path"),
+    (["--training.dataset", "prepared", "--training.dataset_path", "/nonexistent/store"],
+     "--training.dataset_path '/nonexistent/store' is not a folder: --training.dataset prepared reads a token store "
+     "made by `python -m titan.data.prepare`"),
+    (["--training.dataset", "hf", "--training.dataset_path", "org/set"],
+     "--training.dataset hf --training.dataset_path 'org/set' is not a local folder: a dataset from the Hugging Face "
+     "hub is tokenized once, before training, with `python -m titan.data.prepare --dataset hf --dataset_path org/set "
+     "--out STORE`"),
     (["--optimizer.lr", "0"], "--optimizer.lr"),
     (["--lr_scheduler.decay_ratio", "1.5"], "--lr_scheduler.decay_ratio"),
     (["--training.steps", "0"], "--training.steps"),
@@ -309,6 +316,8 @@ def test_malformed_mixture_tables_are_named(tmp_path: Path) -> None:
      ["--validation.dataset jsonl needs --validation.dataset_path (files, a folder or a glob"]),
     (["--validation.dataset", "text", "--validation.dataset_path", "/nonexistent.txt"], 1,
      ["--validation.dataset_path '/nonexistent.txt' matches no file or folder."]),
+    (["--validation.dataset", "hf", "--validation.dataset_path", "org/set"], 1,
+     ["--validation.dataset hf --validation.dataset_path 'org/set' is not a local folder"]),
     (["--validation.seq_len", "512"], 1,
      ["--validation.seq_len 512 is longer than --training.seq_len 256, the length the model's rotary table is built "
       "for. Use --validation.seq_len 256 or less."]),
