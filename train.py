@@ -1,5 +1,6 @@
 """Titan's entry point: parse and validate the config, then train. Launched by run_train.sh through torchrun."""
 
+import faulthandler
 import os
 import sys
 
@@ -29,4 +30,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # A crash in native code (a kernel, a collective library) prints every thread's Python stack, not just a signal.
+    faulthandler.enable()
     exit_process(main(sys.argv[1:]))

@@ -13,6 +13,7 @@ import random
 import runpy
 import shutil
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Iterable
@@ -434,6 +435,20 @@ def test_prefetched_batches_are_ready_and_not_yet_consumed(tmp_path: Path, token
     assert loader.prefetching.window_index == 2 * (2 + PREFETCH_BATCHES)  # prepared ahead, in the background
     assert loader.state_dict()["window_index"] == 4 and loader.position()["window_index"] == 4
     assert_same_batches(take_batches(loader, 4), reference[2:])
+
+
+def test_loader_threads_stop_with_their_iterator(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
+    """A new iterator stops the previous one's background thread, and close() the last one's: none outlives
+    training in a process that goes on (the trainer closes its loader)."""
+    training = jsonl_training(tmp_path, corpus[:4], seq_len=16, local_batch_size=2)
+    loader = build_dataloader(tokenizer, training, 0, 1)
+    before = threading.active_count()
+    for _ in range(3):
+        next(iter(loader))
+        assert threading.active_count() == before + 1
+    loader.close()
+    assert threading.active_count() == before
+    assert_same_batches(take_batches(loader, 1), take_batches(build_dataloader(tokenizer, training, 0, 1), 4)[3:])
 
 
 @pytest.mark.parametrize("saved, resumed", [((2, 2), (1, 4)), ((1, 4), (2, 2)), ((2, 2), (4, 1))],

@@ -70,7 +70,7 @@ def launch(script: str, nprocs: int, args: tuple[str, ...], timeout: float) -> s
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
                str(TESTS / script), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "LOG_RANK": "0"})
+                          env={**os.environ, "LOG_RANK": "0", "PYTHONFAULTHANDLER": "1"})
 
 
 SECONDS_PER_CASE = 150

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torchdata.nodes import BaseNode, Loader, PinMemory, Prefetcher
+from torchdata.nodes import BaseNode, PinMemory, Prefetcher
 
 from titan.config.errors import ConfigError
 from titan.config.job import Training, Validation
@@ -84,23 +84,36 @@ class DataParallelLoader:
         self._consumed = stream.state_dict()
         self.prefetching: WindowStream | None = None
         """The latest iterator's stream, which its background thread advances ahead of the batches handed out."""
+        self._iterator: Iterator[Batch] | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         """Batches from the last one handed out (or the loaded state) on. A new iterator starts after the last batch
-        any iterator handed out; an earlier iterator's thread keeps its own copy of the stream, so it cannot move
-        this one's."""
+        any iterator handed out, and stops the previous iterator's thread (close)."""
+        self.close()
         stream = self.stream.copy()
         stream.load_state_dict(self._consumed)
         self.prefetching = stream
         node: BaseNode = RankBatches(stream, self.local_batch_size, self.dp_rank, self.dp_degree)
         if self.pin_memory:
             node = PinMemory(node)
-        return self._batches(Loader(Prefetcher(node, prefetch_factor=PREFETCH_BATCHES)))
+        self._iterator = self._batches(Prefetcher(node, prefetch_factor=PREFETCH_BATCHES))
+        return self._iterator
 
-    def _batches(self, loader: Loader) -> Iterator[Batch]:
-        for inputs, labels, state in loader:
+    def _batches(self, prefetcher: Prefetcher) -> Iterator[Batch]:
+        # The node itself, not a torchdata Loader around it: a Loader and its iterator refer to each other, so only
+        # the garbage collector would free them, and with them the thread. The states travel with the batches.
+        prefetcher.reset()
+        for inputs, labels, state in prefetcher:
             self._consumed = state
             yield inputs, labels
+
+    def close(self) -> None:
+        """Stop the latest iterator's background thread: closing the generator drops the last reference to its
+        Prefetcher, whose finalizer joins the thread. Without it the thread lives on, idle, in a process that goes
+        on after training (tests, notebooks)."""
+        if self._iterator is not None:
+            self._iterator.close()
+            self._iterator = None
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch handed out: the same on every rank and for every layout."""

@@ -105,6 +105,7 @@ class Trainer:
                     if stop is not None:
                         self.stopper.stop(stop, self.checkpointer, self.train_state())
             finally:
+                self.dataloader.close()
                 self.checkpointer.close()
                 for sink in self.sinks:
                     sink.close()
