@@ -93,7 +93,8 @@ from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
-from titan.models.llama.model import expand_kv_heads  # noqa: E402
+from titan.models.llama.attention import expand_kv_heads  # noqa: E402
+from titan.models.llama.loss import num_valid_targets  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
@@ -140,9 +141,11 @@ def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
         trainer.training.optimizer.zero_grad()
+        micro_batch = trainer.training.micro_batch(inputs, labels)
         with trainer.training.autocast():
-            logits = trainer.training.model(inputs)
-        trainer.training.loss_fn(logits, labels).backward()
+            loss_sum = trainer.training.model(micro_batch.inputs, labels=micro_batch.labels,
+                                              **micro_batch.model_inputs())
+        (loss_sum / num_valid_targets(micro_batch.labels)).backward()
         torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         trainer.training.optimizer.step()
 
@@ -465,8 +468,13 @@ def truncated_tokenizer(vocab_size: int) -> Path:
 
 def main_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
     """RoPE as main computed it before the real tables: Meta's complex product (the cache's (cos, sin) pairs
-    viewed as complex64, no copy)."""
-    return complex_rope(x, torch.view_as_complex(rope_cache))
+    viewed as complex64), for rows shared by every sample or each sample's own (block-causal positions)."""
+    if rope_cache.dim() == 3:
+        return complex_rope(x, torch.view_as_complex(rope_cache))
+    bs, seq, heads, head_dim = x.shape
+    pairs = torch.view_as_complex(x.float().reshape(bs, seq, heads, head_dim // 2, 2))  # (bs, seq, heads, hd // 2)
+    rotation = torch.view_as_complex(rope_cache.contiguous()).unsqueeze(2)  # (bs, seq, 1, head_dim // 2)
+    return torch.view_as_real(pairs * rotation).flatten(3).type_as(x)
 
 
 def main_gqa_sdpa(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:

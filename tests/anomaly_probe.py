@@ -27,13 +27,14 @@ def train(argv: list[str]) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = Trainer(load_job_config(argv, world_size), world_size)
     nan_steps = {int(step) for step in os.environ["NAN_STEPS"].split(",")}
-    real_loss = trainer.training.loss_fn
+    for part in trainer.training.model_parts.parts:
+        real_loss = part.output_loss.logits_loss
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = real_loss(logits, labels)
-        return loss * float("nan") if trainer.step in nan_steps else loss
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor, real_loss=real_loss) -> torch.Tensor:
+            loss = real_loss(logits, labels)
+            return loss * float("nan") if trainer.step in nan_steps else loss
 
-    trainer.training.loss_fn = loss_fn
+        part.output_loss.logits_loss = loss_fn
     trainer.run()
 
 

@@ -80,13 +80,13 @@ def warnings_of(records: list[logging.LogRecord]) -> list[str]:
 
 def nan_at(trainer: Trainer, steps: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The loss is NaN at `steps`, as in a diverging run."""
-    real_loss = trainer.training.loss_fn
+    real_loss = trainer.training.model.output_loss.logits_loss
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss = real_loss(logits, labels)
         return loss * float("nan") if trainer.step in steps else loss
 
-    monkeypatch.setattr(trainer.training, "loss_fn", loss_fn)
+    monkeypatch.setattr(trainer.training.model.output_loss, "logits_loss", loss_fn)
 
 
 def test_spike_detector_uses_median_and_floored_mad() -> None:

@@ -179,7 +179,8 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
     trainer.training.model.load_state_dict(weights)
     inputs, labels = next(iter(trainer.dataloader))
     with torch.no_grad():
-        return trainer.training.loss_fn(trainer.training.model(inputs), labels).item()
+        loss_sum, num_targets = trainer.training.evaluation_loss(inputs, labels)
+    return (loss_sum / num_targets).item()
 
 
 @pytest.mark.parametrize("nprocs, dp_degree, flags", [

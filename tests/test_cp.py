@@ -1,6 +1,6 @@
-"""Context parallel: the head-tail sharding matches torch's, causal attention over sequence shards (2 gloo ranks,
-both rotate methods, eager and compiled) equals single-process attention over the whole sequence, forward and
-gradients, and a model that apply_cp changed gives each rank its rows of the whole model's logits."""
+"""Context parallel: the head-tail sharding matches torch's, causal and block-causal attention over sequence shards
+(2 gloo ranks, both rotate methods, eager and compiled) equals single-process attention over the whole sequence,
+forward and gradients, and a model that apply_cp changed gives each rank its rows of the whole model's logits."""
 
 from pathlib import Path
 
@@ -13,7 +13,8 @@ from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalanc
 
 from titan.models.llama.args import ModelArgs
 from titan.models.llama.init import init_weights
-from titan.models.llama.model import CausalAttention, Transformer
+from titan.models.llama.attention import SDPAAttention, build_dense_mask, document_layout
+from titan.models.llama.model import Transformer
 from titan.parallel.cp import (
     ROTATE_METHODS,
     ContextParallelAttention,
@@ -33,6 +34,10 @@ BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 # through their log-sum-exps), so they differ from the full kernel by rounding only.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 MODEL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=64)
+BOS = 99
+# Document ids of each row: row 0 has documents that start in either half of the sequence (so that, sharded, some
+# query chunks see no key of an earlier key chunk), row 1 is one document.
+DOCUMENT_IDS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 1 + [3] * 6, [0] * SEQ])
 
 
 @pytest.mark.parametrize("cp_degree", [2, 4])
@@ -51,10 +56,13 @@ def test_shard_sequence_is_head_tail_like_torch(cp_degree: int) -> None:
         assert torch.equal(shard_sequence(freqs_cis, 0, rank, cp_degree), freqs_cis[shard])
 
 
-def test_cp_path_follows_device() -> None:
-    assert uses_torch_context_parallel("cuda") and not uses_torch_context_parallel("cpu")
-    assert "titan's alltoall" in describe_cp_path("cpu", "alltoall")
-    assert "torch's ring attention" in describe_cp_path("cuda", "allgather")
+def test_cp_path_follows_device_and_mask() -> None:
+    assert uses_torch_context_parallel("cuda", block_causal=False)
+    assert not uses_torch_context_parallel("cpu", block_causal=False)
+    assert not uses_torch_context_parallel("cuda", block_causal=True)
+    assert "titan's alltoall" in describe_cp_path("cpu", "alltoall", block_causal=False)
+    assert "torch's ring attention" in describe_cp_path("cuda", "allgather", block_causal=False)
+    assert "keeps documents apart" in describe_cp_path("cuda", "allgather", block_causal=True)
 
 
 def init_cp_mesh(rank: int, folder: str) -> DeviceMesh:
@@ -71,35 +79,41 @@ def attention_inputs() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return query, key, value, torch.randn(BATCH, HEADS, SEQ, HEAD_DIM, generator=generator)
 
 
-def output_and_grads(attend: nn.Module, query: Tensor, key: Tensor, value: Tensor, loss_weights: Tensor) -> list[Tensor]:
-    """attend's output and the gradients of a weighted sum of it for q, k and v."""
+def output_and_grads(attend: nn.Module, query: Tensor, key: Tensor, value: Tensor, loss_weights: Tensor,
+                     mask: Tensor | None = None) -> list[Tensor]:
+    """attend's output and the gradients of a weighted sum of it for q, k and v; `mask`: what attend reads besides
+    q, k and v (SDPA's dense mask, context parallel's document ids)."""
     inputs = [x.detach().requires_grad_() for x in (query, key, value)]
-    out = attend(*inputs)
+    out = attend(*inputs, mask)
     (out * loss_weights).sum().backward()
     return [out.detach()] + [x.grad for x in inputs]  # type: ignore[misc]
 
 
-def check_sharded_attention(mesh: DeviceMesh) -> None:
-    """Sharded attention, unsharded, equals full causal attention, forward and gradients, for each rotate method
-    eagerly and for allgather compiled."""
+def check_sharded_attention(mesh: DeviceMesh, block_causal: bool) -> None:
+    """Sharded attention, unsharded, equals full attention (causal, or block-causal over DOCUMENT_IDS), forward and
+    gradients, for each rotate method eagerly, and block-causal also compiled."""
     rank = mesh.get_local_rank()
     query, key, value, loss_weights = attention_inputs()
-    want = output_and_grads(CausalAttention(), query, key, value, loss_weights)
+    document_ids = DOCUMENT_IDS if block_causal else None
+    want = output_and_grads(SDPAAttention(), query, key, value, loss_weights,
+                            build_dense_mask(DOCUMENT_IDS) if block_causal else None)
     shards = [shard_sequence(x, 2, rank, CP) for x in (query, key, value, loss_weights)]
-    cases = [(method, "eager", ContextParallelAttention(mesh, method)) for method in ROTATE_METHODS]
-    compiled = ContextParallelAttention(mesh, "allgather")
-    compiled.compile(fullgraph=True)
-    cases.append(("allgather", "compiled", compiled))
+    cases = [(method, mode, ContextParallelAttention(mesh, method, block_causal))
+             for method in ROTATE_METHODS for mode in (("eager", "compiled") if block_causal else ("eager",))]
     for rotate_method, mode, attend in cases:
-        got = output_and_grads(attend, *shards)
+        if mode == "compiled":
+            attend.compile(fullgraph=True)
+        got = output_and_grads(attend, *shards, document_ids)
         for name, got_shard, want_full in zip(("output", "query grad", "key grad", "value grad"), got, want):
+            assert got_shard.isfinite().all()
             torch.testing.assert_close(unshard_sequence(got_shard, 2, mesh), want_full, **TOLERANCE,
-                                       msg=lambda m: f"{rotate_method} {mode} {name}: {m}")
+                                       msg=lambda m: f"{block_causal=} {rotate_method} {mode} {name}: {m}")
 
 
 def check_model_rows(mesh: DeviceMesh) -> None:
-    """A model changed by apply_cp, given this rank's shard of the tokens, returns this rank's rows of the unchanged
-    model's logits: attention sees the whole sequence, and the rotary table the positions of this rank's rows."""
+    """A block-causal model changed by apply_cp, given this rank's shard of the tokens, positions and document ids,
+    returns this rank's rows of the unchanged model's logits: attention sees the whole sequence's documents, and
+    the rotary table the positions of this rank's rows."""
     torch.manual_seed(0)
     with torch.device("meta"):
         full = Transformer(MODEL)
@@ -107,19 +121,22 @@ def check_model_rows(mesh: DeviceMesh) -> None:
     init_weights(full)
     sharded = Transformer(MODEL)
     sharded.load_state_dict(full.state_dict())
-    apply_cp(sharded, mesh, "alltoall")
+    apply_cp(sharded, mesh, "alltoall", block_causal=True)
     assert all(isinstance(block.attention.inner_attention, ContextParallelAttention)
                for block in sharded.layers.values())
-    tokens = torch.randint(0, MODEL.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    local_tokens, _ = shard_batch(tokens, tokens, mesh)
-    torch.testing.assert_close(sharded(local_tokens), shard_sequence(full(tokens), 1, mesh.get_local_rank(), CP),
+    tokens = torch.randint(0, BOS, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens[0, [3, 9, 10]] = BOS
+    layout = document_layout(tokens, BOS)
+    local = shard_batch(mesh, tokens, *layout)
+    torch.testing.assert_close(sharded(*local), shard_sequence(full(tokens, *layout), 1, mesh.get_local_rank(), CP),
                                **TOLERANCE)
 
 
 def check_on_two_ranks(rank: int, folder: str) -> None:
     """One spawn for every two-rank check, since starting two ranks costs more than the checks."""
     mesh = init_cp_mesh(rank, folder)
-    check_sharded_attention(mesh)
+    for block_causal in (False, True):
+        check_sharded_attention(mesh, block_causal)
     check_model_rows(mesh)
     destroy_distributed(wait_for_peers=True)
 
@@ -130,8 +147,8 @@ def test_sharded_attention_and_model_match_full(tmp_path: Path) -> None:
 
 def test_shard_batch_without_context_parallel_is_the_batch() -> None:
     tokens = torch.arange(8).view(1, 8)
-    inputs, labels = shard_batch(tokens, tokens + 1, None)
-    assert inputs is tokens and torch.equal(labels, tokens + 1)
+    inputs, labels, document_ids = shard_batch(None, tokens, tokens + 1, None)
+    assert inputs is tokens and torch.equal(labels, tokens + 1) and document_ids is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
@@ -144,8 +161,8 @@ def test_torch_path_on_cuda_matches_full(rotate_method: str, tmp_path: Path) -> 
     try:
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
         inputs = [x.cuda() for x in attention_inputs()]
-        want = output_and_grads(CausalAttention(), *inputs)
-        got = output_and_grads(ContextParallelAttention(mesh, rotate_method), *inputs)
+        want = output_and_grads(SDPAAttention(), *inputs)
+        got = output_and_grads(ContextParallelAttention(mesh, rotate_method, block_causal=False), *inputs)
     finally:
         dist.destroy_process_group()
     # The ring merges its blocks in fp32 after a CUDA kernel that may differ from the reference's.

@@ -21,14 +21,8 @@ from titan.models.llama import (
     padded_vocab_size,
 )
 from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
-from titan.models.llama.model import (
-    Attention,
-    CausalAttention,
-    apply_rotary_emb,
-    expand_kv_heads,
-    precompute_rope_cache,
-    scale_rope_frequencies,
-)
+from titan.models.llama.attention import SDPAAttention, expand_kv_heads
+from titan.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
 from reference.rope_ref import complex_rope, complex_rotation_table
 
 VOCAB = 2256  # the shipped tokenizer's odd size
@@ -172,7 +166,7 @@ def test_gqa_equals_mha_with_repeated_kv_weights() -> None:
             getattr(mha, name).weight.copy_(kv.repeat_interleave(2, dim=0).reshape(4 * head_dim, 64))
     x = torch.randn(2, 10, 64)
     rope_cache = precompute_rope_cache(gqa_args)
-    torch.testing.assert_close(gqa(x, rope_cache), mha(x, rope_cache))
+    torch.testing.assert_close(gqa(x, rope_cache, None), mha(x, rope_cache, None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -184,7 +178,7 @@ def test_gqa_reads_kv_heads_in_place_as_expanded_copies_would(dtype: torch.dtype
     k, v = torch.randn(2, 2, 32, 16, dtype=dtype), torch.randn(2, 2, 32, 16, dtype=dtype)  # 2 kv heads: n_rep 4
     assert torch.equal(expand_kv_heads(k, 4), k.repeat_interleave(4, dim=1))
     expanded = F.scaled_dot_product_attention(q, expand_kv_heads(k, 4), expand_kv_heads(v, 4), is_causal=True)
-    torch.testing.assert_close(CausalAttention()(q, k, v), expanded)
+    torch.testing.assert_close(SDPAAttention()(q, k, v, None), expanded)
 
 
 def test_future_tokens_do_not_change_earlier_logits() -> None:

@@ -1,5 +1,7 @@
 """Parallel layouts on real gloo processes match one process on the same global batch."""
 
+import itertools
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.models.llama import ModelArgs, Transformer, cross_entropy_loss, init_weights
 from titan.parallel.ac import apply_ac, keeps_attention
 from titan.parallel.compile import apply_compile
@@ -33,6 +36,8 @@ BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--trai
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+CAUSAL = ["--model.attn_mask_type", "causal"]
+CHUNKS = ["--training.loss_chunk_size", "48"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # The output layer converts too (it is TP-sharded). Emulated: the same quantization with fp32 matmuls, since CPU
 # float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
@@ -42,7 +47,8 @@ ACCUMULATE = ["--training.local_batch_size", "4", "--training.global_batch_size"
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
-    "Interleaved1F1B": [],  # 4 stages of 1, 2, 2, 1 blocks; rank 0 runs stages 0 and 2
+    # 4 stages of 1, 2, 2, 1 blocks; rank 0 runs stages 0 and 2. The last stage's loss in chunks of a micro-batch.
+    "Interleaved1F1B": ["--training.loss_chunk_size", "48"],
     "InterleavedZeroBubble": [],
     # A V: rank 0 runs stages 0 and 3, so it computes the loss. torch's V schedule has no forward-only pass
     # (config/validate.py), so ZBV trains without evaluating.
@@ -70,13 +76,14 @@ LAYOUTS = {
     **layouts(1, None, ref=["--training.local_batch_size", "4"], ref_accumulate=ACCUMULATE,
               ref_float8=["--training.local_batch_size", "4", *FLOAT8],
               ref_mx=["--training.local_batch_size", "4", *MX]),
-    **layouts(2, fsdp2=["--training.local_batch_size", "2", *FSDP2],
+    # CHUNKS: the output layer and loss in chunks of 48 of a rank's 128 tokens (FSDP's 2 sequences, TP's half of 4).
+    **layouts(2, fsdp2=["--training.local_batch_size", "2", *FSDP2, *CHUNKS],
               hsdp2=["--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
                      "--parallelism.data_parallel_shard_degree", "1"],
-              tp2=["--training.local_batch_size", "4", *TP2],
+              tp2=["--training.local_batch_size", "4", *TP2, *CHUNKS],
               # Checkpointed blocks keep their attention and reduce-scatter outputs (save_attention) on DTensors.
               tp2_full_ac=["--training.local_batch_size", "4", *TP2, "--activation_checkpoint.mode", "full"],
-              tp2_gathered=["--training.local_batch_size", "4", *TP2, "--parallelism.disable_loss_parallel"],
+              tp2_gathered=["--training.local_batch_size", "4", *TP2, "--parallelism.disable_loss_parallel", *CHUNKS],
               tp2_compiled=["--training.local_batch_size", "4", *TP2, "--training.compile"],
               **{f"pp2_{schedule}": ["--training.local_batch_size", "4", *PP2,
                                      "--parallelism.pipeline_parallel_schedule", schedule, *flags]
@@ -90,6 +97,12 @@ LAYOUTS = {
                                          "--activation_checkpoint.mode", "selective"]),
     **layouts(2, "ref_accumulate",
               pp2_accumulate=[*ACCUMULATE, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"]),
+    # Causal attention across documents (--model.attn_mask_type causal) under the layouts that carry it differently:
+    # FSDP, the pipeline (positions by keyword to every stage), and context parallel's exchange without documents.
+    **layouts(1, None, ref_causal=["--training.local_batch_size", "4", *CAUSAL]),
+    **layouts(2, "ref_causal", fsdp2_causal=["--training.local_batch_size", "2", *FSDP2, *CAUSAL],
+              pp2_causal=["--training.local_batch_size", "4", *PP2, *CAUSAL],
+              cp2_causal=["--training.local_batch_size", "4", *CP2, *CAUSAL]),
     **layouts(2, "ref_float8", fsdp2_float8=["--training.local_batch_size", "2", *FSDP2, *FLOAT8],
               tp2_float8=["--training.local_batch_size", "4", *TP2, *FLOAT8],
               cp2_float8=["--training.local_batch_size", "4", *CP2, *FLOAT8]),
@@ -103,17 +116,36 @@ LAYOUTS = {
 }
 
 
+def write_short_documents(path: Path) -> Path:
+    """A jsonl file of the shipped corpus cut into documents of 2 to 30 words (a few to about 70 tokens), so that
+    nearly every window of 64 tokens packs several documents and block-causal attention (the default) shows in
+    every layout: the shipped documents are longer than such a window."""
+    words = " ".join(itertools.islice(read_jsonl_documents(SHIPPED_CORPUS, origin="test"), 20)).split()
+    lengths = itertools.cycle([2, 30, 9, 17, 5])
+    documents, start = [], 0
+    while start < len(words):
+        length = next(lengths)
+        documents.append(" ".join(words[start:start + length]))
+        start += length
+    path.write_text("".join(json.dumps({"text": document}) + "\n" for document in documents))
+    return path
+
+
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
-    """The result of every case the selected tests of this module ask for, and of their references."""
+    """The result of every case the selected tests of this module ask for, and of their references, on data of
+    short documents (training and validation)."""
     asked = {item.callspec.params["case"] for item in request.session.items
              if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
     names = asked | {LAYOUTS[name].reference for name in asked} - {None}
+    documents = str(write_short_documents(tmp_path_factory.mktemp("data") / "short_documents.jsonl"))
+    data = ["--training.dataset", "jsonl", "--training.dataset_path", documents, "--validation.dataset", "jsonl",
+            "--validation.dataset_path", documents]
     results = CaseResults({}, {})
     for nprocs in sorted({LAYOUTS[name].nprocs for name in names}):
         folder = tmp_path_factory.mktemp(f"nprocs{nprocs}")
         results.update(run_cases("parallel_harness.py", nprocs, folder, {
-            name: [*BASE, "--job.dump_folder", str(folder / name), *LAYOUTS[name].flags]
+            name: [*BASE, *data, "--job.dump_folder", str(folder / name), *LAYOUTS[name].flags]
             for name in sorted(names) if LAYOUTS[name].nprocs == nprocs}))
     return results
 
@@ -179,6 +211,12 @@ def test_pipeline_with_fsdp_or_tp_on_four_processes(runs: CaseResults, case: str
 @pytest.mark.parametrize("case", ["cp2_allgather", "cp2_alltoall"], ids=["allgather", "alltoall"])
 def test_context_parallel_matches_one_process(runs: CaseResults, case: str) -> None:
     """Each rank holds 2 of 4 load-balanced chunks of every sequence; attention exchanges keys and values."""
+    assert_same_run(runs, case)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_causal", "pp2_causal", "cp2_causal"])
+def test_causal_attention_matches_one_process(runs: CaseResults, case: str) -> None:
+    """Attention across the documents of a window, as before block-causal masking became the default."""
     assert_same_run(runs, case)
 
 
@@ -344,7 +382,7 @@ def test_dropping_kept_attention_is_logged(mode: str, option: str, says_so: bool
     with torch.device("meta"):
         model = Transformer(SMALL_MODEL)
     parallelize_llama(model, resolve_dims(cfg.parallelism, 1), None, cfg.parallelism, cfg.activation_checkpoint,
-                      cfg.training, cfg.compile, keep_attention=False)
+                      cfg.training, cfg.compile, keep_attention=False, block_causal=True)
     logged = any("Checkpointed blocks recompute attention" in record.getMessage() for record in titan_records)
     assert logged == says_so
 

@@ -77,6 +77,14 @@ class Model:
     (`--model.converters float8 mx`) or comma-separated names (`float8,mx`)."""
     print_after_conversion: bool = False
     """Print the model after converters ran, to check which layers were swapped."""
+    attn_backend: Literal["sdpa", "flex"] = "sdpa"
+    """Attention kernel: sdpa (torch's scaled_dot_product_attention: the flash kernel for causal attention, a dense
+    (seq x seq) boolean mask for block_causal; CPU and GPU) or flex (FlexAttention: skips the masked blocks, the
+    fastest block-causal kernel; CUDA only, since torch has no FlexAttention backward on CPU)."""
+    attn_mask_type: Literal["causal", "block_causal"] = "block_causal"
+    """What a token attends to: block_causal (Llama 3's recipe: the earlier tokens of its own document, rotary
+    positions restarting at each document's BOS, and no loss on predicting the next document's BOS) or causal (every
+    earlier token of the packed sequence, across documents)."""
 
 
 @dataclass
@@ -146,11 +154,10 @@ class Training:
     compile: bool = False
     """torch.compile each transformer block and the loss."""
     loss_chunk_size: NonNegativeInt = 1024
-    """Tokens per chunk of the cross entropy: fp32 logits, their log-softmax and gradient exist for one chunk at a
-    time instead of the whole micro-batch (same loss and gradients). 0: the whole micro-batch at once. Not chunked
-    under --training.compile (compiled, the whole loss keeps no fp32 logits: it saves each token's max and
-    log-sum-exp and recomputes the softmax in backward, so chunks only add work) nor under tensor-parallel loss
-    parallel (vocab-sharded logits)."""
+    """Tokens per chunk of the output layer and cross entropy: logits, their fp32 log-softmax and gradients exist
+    for one chunk at a time, never for the whole micro-batch (the same loss; the output layer's forward runs once
+    more in the backward). 0: the whole micro-batch at once. Under tensor parallel, tokens per chunk of each
+    rank's sequence shard."""
     seed: Seed = 42
     """Seed for weight init and for the --training.mixture draws; the same seed gives the same losses."""
     deterministic: bool = False

@@ -491,6 +491,14 @@ def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
 
 
 @about_this_machine
+def check_flex_attention_device(cfg: JobConfig, world_size: int) -> str | None:
+    if cfg.model.attn_backend != "flex" or torch.cuda.is_available():
+        return None
+    return ("--model.attn_backend flex needs a CUDA GPU: torch has no FlexAttention backward on CPU. Use "
+            f"--model.attn_backend sdpa, which masks {cfg.model.attn_mask_type} attention on any device.")
+
+
+@about_this_machine
 def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
     if "mx" not in cfg.model.converters or cfg.mx.emulate:
         return None
@@ -556,8 +564,9 @@ RULES: tuple[Rule, ...] = (
     check_dataset_path, check_dump_folder, check_memory_snapshot, check_degree_product, check_pipeline_split_points,
     check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware, check_mx_hardware, check_checkpoint, check_spike_rollback, check_time_limit,
-    check_mixture, check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
+    check_float8_hardware, check_mx_hardware, check_flex_attention_device, check_checkpoint, check_spike_rollback,
+    check_time_limit, check_mixture, check_validation_dataset_path, check_validation_pipeline,
+    check_validation_seq_len,
 )
 
 

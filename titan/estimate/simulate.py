@@ -26,9 +26,10 @@ from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
-from titan.models.llama.args import LLAMA3_VOCAB_SIZE
+from titan.models.llama.args import LLAMA3_BOS_ID, LLAMA3_VOCAB_SIZE
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.pp import Pipeline, StageExamples, apply_stage_shapes
+from titan.parallel.tp import loss_parallel_context
 from titan.train.step import TrainingStep, build_training_step
 
 
@@ -62,13 +63,14 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def dry_run_vocab_size(tokenizer_path: str) -> int:
-    """The tokenizer's vocabulary when its file is here; Llama 3's (the flavors' own) otherwise."""
+def dry_run_vocabulary(tokenizer_path: str) -> tuple[int, int]:
+    """(vocabulary size, BOS id) of the tokenizer when its file is here; Llama 3's (the flavors' own) otherwise."""
     if resolve_path(tokenizer_path).is_file():
-        return build_tokenizer(tokenizer_path).vocab_size
+        tokenizer = build_tokenizer(tokenizer_path)
+        return tokenizer.vocab_size, tokenizer.bos_id
     logger.info(f"Dry run: --model.tokenizer_path {tokenizer_path!r} is not on this machine; using Llama 3's "
                 f"vocabulary of {LLAMA3_VOCAB_SIZE} tokens.")
-    return LLAMA3_VOCAB_SIZE
+    return LLAMA3_VOCAB_SIZE, LLAMA3_BOS_ID
 
 
 def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
@@ -88,19 +90,26 @@ def stage_examples(training: TrainingStep, pipeline: Pipeline, microbatch_size: 
     """(input, output) of one micro-batch for each of this rank's stages. A stage after the first takes the
     residual stream as pipelining sends it: this rank's sequence shard (TP and CP shard the sequence), in the
     dtype FSDP computes in (float32 otherwise, autocast keeping the residual stream in float32). The output
-    comes from running the stage on that input (fake: no compute, and the autograd graph is dropped at once)."""
+    comes from running the stage on that input with the keyword inputs the schedule hands it (fake: no compute,
+    and the autograd graph is dropped at once)."""
     t, d, args = training.train_cfg, training.dims, training.model_parts.args
     dtype = to_dtype(t.mixed_precision_param) if d.dp_enabled else torch.float32
+    tokens = torch.randint(0, args.vocab_size, (microbatch_size, t.seq_len + 1))
+    micro_batch = training.micro_batch(tokens[:, :-1], tokens[:, 1:])
     examples = []
     for part, stage_id in zip(pipeline.parts, pipeline.stage_ids):
         if stage_id == 0:
-            example_in = torch.randint(0, args.vocab_size, (microbatch_size, t.seq_len // d.cp))
+            example_in = micro_batch.inputs
         else:
             example_in = torch.empty(microbatch_size, t.seq_len // (d.cp * d.tp), args.dim, dtype=dtype,
                                      requires_grad=True)
-        # With autograd on: an output that requires grad tells the stage to receive its gradient.
-        with training.autocast():
-            example_out = part(example_in)
+        kwargs = micro_batch.model_inputs()
+        if stage_id == pipeline.num_stages - 1:
+            kwargs["labels"] = micro_batch.labels
+        # With autograd on: an output that requires grad tells the stage to receive its gradient. The last stage's
+        # output is its loss, computed as the step computes it (under loss parallel on vocab-sharded logits).
+        with training.autocast(), loss_parallel_context(training.loss_parallel):
+            example_out = part(example_in, **kwargs)
         examples.append((example_in, example_out.detach().requires_grad_(example_out.requires_grad)))
     return examples
 
@@ -168,7 +177,7 @@ def run_dry_run(cfg: JobConfig, world_size: int, rank: int) -> DryRunResult:
     try:
         join_fake_process_group(rank, world_size)
         dims = resolve_dims(cfg.parallelism, world_size)
-        training = build_training_step(cfg, dims, torch.device("cpu"), dry_run_vocab_size(cfg.model.tokenizer_path),
+        training = build_training_step(cfg, dims, torch.device("cpu"), *dry_run_vocabulary(cfg.model.tokenizer_path),
                                        fake_mode)
         pipeline = training.model_parts.pipeline
         if pipeline is not None:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.metrics.log import logger
-from titan.models.llama.model import expand_kv_heads
+from titan.models.llama.attention import expand_kv_heads
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -65,68 +65,81 @@ def unshard_sequence(local: Tensor, seq_dim: int, cp_mesh: DeviceMesh) -> Tensor
     return gathered.index_select(seq_dim, torch.argsort(positions))
 
 
-def shard_batch(inputs: Tensor, labels: Tensor, cp_mesh: DeviceMesh | None) -> tuple[Tensor, Tensor]:
-    """This rank's head-tail shards of a (bs, seq) batch's inputs and labels; the batch itself without context
-    parallel (`cp_mesh` None)."""
+def shard_batch(cp_mesh: DeviceMesh | None, *tensors: Tensor | None) -> tuple[Tensor | None, ...]:
+    """This rank's head-tail shards of a batch's (bs, seq) tensors (None stays None); the tensors themselves
+    without context parallel (`cp_mesh` None)."""
     if cp_mesh is None:
-        return inputs, labels
+        return tensors
     rank, degree = cp_mesh.get_local_rank(), cp_mesh.size()
-    return shard_sequence(inputs, 1, rank, degree), shard_sequence(labels, 1, rank, degree)
+    return tuple(None if tensor is None else shard_sequence(tensor, 1, rank, degree) for tensor in tensors)
 
 
-def uses_torch_context_parallel(device_type: str) -> bool:
-    """Whether torch's ring attention runs: its SDPA dispatcher only handles the CUDA kernels. On CPU, torch 2.13
-    stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
-    registered", so every other device runs the implementation here."""
-    return device_type == "cuda"
+def uses_torch_context_parallel(device_type: str, block_causal: bool) -> bool:
+    """Whether torch's ring attention runs: its SDPA dispatcher only handles the causal CUDA kernels. On CPU, torch
+    2.13 stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
+    strategy registered", so every other device, and block-causal attention, runs the implementation here."""
+    return device_type == "cuda" and not block_causal
 
 
-def describe_cp_path(device_type: str, rotate_method: str) -> str:
+def describe_cp_path(device_type: str, rotate_method: str, block_causal: bool) -> str:
     """One sentence saying which attention implementation context parallel runs, for the startup log."""
-    if uses_torch_context_parallel(device_type):
+    if uses_torch_context_parallel(device_type, block_causal):
         return (f"Context parallel attention: torch's ring attention over the CUDA SDPA kernels, rotating K/V by "
                 f"{rotate_method}.")
-    return (f"Context parallel attention: titan's {rotate_method} implementation, since torch's only covers the "
-            f"CUDA SDPA kernels and this device is {device_type}.")
+    reason = ("it keeps documents apart, which torch's SDPA ring does not" if block_causal else
+              f"torch's only covers the CUDA SDPA kernels and this device is {device_type}")
+    return f"Context parallel attention: titan's {rotate_method} implementation, since {reason}."
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str, block_causal: bool) -> None:
     """Make `model` (a Transformer, or a pipeline stage of one) compute this rank's rows of every sequence, given
-    its head-tail shard of the tokens (shard_batch): each block's attention kernel becomes a
-    ContextParallelAttention, and the rotary table reads the global positions of this rank's rows."""
+    its head-tail shard of the tokens, rotary positions and document ids (shard_batch): each block's attention
+    kernel becomes a ContextParallelAttention, and the model's attention mask the whole sequence's document ids
+    (DocumentIds), which that attention reads."""
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"--parallelism.context_parallel_rotate_method {rotate_method!r} is not one of "
                          f"{ROTATE_METHODS}.")
     for block in model.layers.values():
-        block.attention.inner_attention = ContextParallelAttention(cp_mesh, rotate_method)
-    cp_rank, cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, block_causal)
+    model.attention_mask = DocumentIds(cp_mesh)
+    logger.info(f"Applied context parallel over {cp_mesh.size()} ranks: each holds 2 of {2 * cp_mesh.size()} chunks "
+                f"of every sequence. {describe_cp_path(cp_mesh.device_type, rotate_method, block_causal)}")
 
-    def global_positions(module: nn.Module, args: tuple[Tensor]) -> tuple[Tensor]:
-        local = args[0]  # (local_seq,): the positions 0 .. local_seq - 1 the model asks for
-        return (_positions(cp_rank, cp_degree, local.numel() // 2, local.device),)
 
-    model.rope.register_forward_pre_hook(global_positions)
-    logger.info(f"Applied context parallel over {cp_degree} ranks: each holds 2 of {2 * cp_degree} chunks of every "
-                f"sequence. {describe_cp_path(cp_mesh.device_type, rotate_method)}")
+class DocumentIds(nn.Module):
+    """The attention mask of a context-parallel model: the whole sequence's document ids (bs, seq) in natural order,
+    gathered once per forward from every rank's shard (None for causal attention)."""
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.cp_mesh = cp_mesh
+
+    def forward(self, h: Tensor, document_ids: Tensor | None) -> Tensor | None:
+        return None if document_ids is None else unshard_sequence(document_ids, 1, self.cp_mesh)
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal attention of this rank's head-tail shards of q (bs, heads, local_seq, head_dim) and k, v (bs, kv_heads,
-    local_seq, head_dim): this rank's rows of causal attention over the whole sequence. Replaces the model's
-    CausalAttention in every block under context parallel."""
+    """Causal or block-causal attention of this rank's head-tail shards of q (bs, heads, local_seq, head_dim) and
+    k, v (bs, kv_heads, local_seq, head_dim): this rank's rows of that attention over the whole sequence, given the
+    whole sequence's document ids (DocumentIds; None: causal). Replaces the model's attention kernel in every block
+    under context parallel."""
 
-    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str, block_causal: bool) -> None:
         super().__init__()
-        if uses_torch_context_parallel(cp_mesh.device_type):
+        self.torch_ring = uses_torch_context_parallel(cp_mesh.device_type, block_causal)
+        if self.torch_ring:
             self.kernel = build_torch_ring_attention(cp_mesh, rotate_method)
         else:
             self.kernel = TitanRingAttention(cp_mesh, rotate_method)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None) -> Tensor:
         # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
         # enable_gqa reads them.
         n_rep = query.size(1) // key.size(1)
-        return self.kernel(query, expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep))
+        key, value = expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep)
+        if self.torch_ring:
+            return self.kernel(query, key, value)
+        return self.kernel(query, key, value, document_ids)
 
 
 class _CausalSDPA(nn.Module):
@@ -165,16 +178,17 @@ class TitanRingAttention(nn.Module):
         self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
         self.method = _allgather_attention if rotate_method == "allgather" else _ring_attention
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None) -> Tensor:
         assert query.size(2) == key.size(2) and query.size(2) % 2 == 0, "q/k must be head-tail shards of one sequence"
         scale = 1.0 / math.sqrt(query.size(-1))  # SDPA's default
-        return self.method(query, key, value, scale, self.group_name, self.cp_rank, self.cp_degree)
+        return self.method(query, key, value, document_ids, scale, self.group_name, self.cp_rank, self.cp_degree)
 
 
-def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,
-                         cp_rank: int, cp_degree: int) -> Tensor:
+def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None, scale: float,
+                         group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
     """Gather all keys and values (their gradients reduce-scatter back), and mask each local query row to the
-    keys at or before its global position. Every row sees at least its own key, so none is fully masked."""
+    keys at or before its global position (and in its document). Every row sees at least its own key, so none is
+    fully masked."""
     chunk_len = query.size(2) // 2
     # (bs, heads, seq, head_dim), rows in rank-major head-tail order: the mask below follows that order.
     all_keys = all_gather_autograd(key.contiguous(), gather_dim=2, group=group_name)
@@ -182,16 +196,19 @@ def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, scale: float
     query_positions = _positions(cp_rank, cp_degree, chunk_len, query.device)
     key_positions = _gathered_positions(cp_degree, chunk_len, query.device)
     visible = key_positions[None, :] <= query_positions[:, None]  # (local_seq, seq)
+    if document_ids is not None:
+        same_document = document_ids[:, query_positions, None] == document_ids[:, None, key_positions]
+        visible = (visible & same_document)[:, None]  # (bs, 1, local_seq, seq)
     return F.scaled_dot_product_attention(query, all_keys, all_values, attn_mask=visible, scale=scale)
 
 
-def _ring_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, group_name: str,
-                    cp_rank: int, cp_degree: int) -> Tensor:
+def _ring_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None, scale: float,
+                    group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
     """Pass K/V around the ring (cp_degree - 1 hops) and merge each block's partial attention by its log-sum-exp.
 
     Work goes by (query chunk, key chunk) pair: full attention when the key chunk comes first, causal on the
-    diagonal, nothing when it comes later. So no computed row is ever fully masked, and neither forward nor
-    backward sees a NaN.
+    diagonal, nothing when it comes later. Causal, no computed row is ever fully masked; block-causal, a row whose
+    document starts after a key chunk is, and _block_attention keeps it finite.
     """
     chunk_len = query.size(2) // 2
     query_chunks = query.split(chunk_len, dim=2)
@@ -205,7 +222,8 @@ def _ring_attention(query: Tensor, key: Tensor, value: Tensor, scale: float, gro
         for key_id, kv_chunk in zip(key_ids, kv.split(chunk_len, dim=3)):
             for i, (query_id, query_chunk) in enumerate(zip(query_ids, query_chunks)):
                 if key_id <= query_id:
-                    block = _block_attention(query_chunk, kv_chunk[0], kv_chunk[1], key_id == query_id, scale)
+                    visible = _block_mask(query_id, key_id, chunk_len, document_ids, query.device)
+                    block = _block_attention(query_chunk, kv_chunk[0], kv_chunk[1], visible, scale)
                     merged[i] = _merge(merged.get(i), block)
     # Both chunks have entries: at hop 0 each query chunk meets its own chunk.
     return torch.cat([merged[i][0] for i in range(2)], dim=2).to(query.dtype)
@@ -220,12 +238,29 @@ def _pass_to_next_rank(kv: Tensor, group_name: str, cp_rank: int, cp_degree: int
     return funcol.all_to_all_single_autograd(kv, receive_sizes, send_sizes, group=group_name)
 
 
-def _block_attention(query: Tensor, key: Tensor, value: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of one query chunk over one key chunk in fp32, and each row's log-sum-exp (bs, heads, chunk, 1)."""
+def _block_mask(query_id: int, key_id: int, chunk_len: int, document_ids: Tensor | None,
+                device: torch.device) -> Tensor | None:
+    """Which keys of chunk `key_id` each query of chunk `query_id` reads: causal on the diagonal, within documents
+    when `document_ids` (bs, seq) are given; (chunk, chunk) or (bs, 1, chunk, chunk), or None for all of them."""
+    visible = None
+    if key_id == query_id:
+        visible = torch.ones(chunk_len, chunk_len, dtype=torch.bool, device=device).tril()
+    if document_ids is not None:
+        query_documents = document_ids[:, query_id * chunk_len:(query_id + 1) * chunk_len]  # (bs, chunk)
+        key_documents = document_ids[:, key_id * chunk_len:(key_id + 1) * chunk_len]
+        same_document = (query_documents[:, :, None] == key_documents[:, None, :])[:, None]  # (bs, 1, chunk, chunk)
+        visible = same_document if visible is None else same_document & visible
+    return visible
+
+
+def _block_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of one query chunk over the `visible` keys of one key chunk in fp32, and each row's log-sum-exp
+    (bs, heads, chunk, 1). Masked scores are the lowest finite float, not -inf: a row with no visible key then gets
+    a finite log-sum-exp far below any real one, so merging weighs it zero, where -inf would give NaN."""
     scores = torch.matmul(query.float(), key.float().transpose(-2, -1)) * scale  # (bs, heads, chunk, chunk)
-    if causal:
-        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
+    if visible is not None:
+        scores = scores.masked_fill(~visible, torch.finfo(torch.float32).min)
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     return torch.matmul(torch.exp(scores - lse), value.float()), lse
 

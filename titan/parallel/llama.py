@@ -14,19 +14,21 @@ from titan.parallel.tp import apply_tp
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
-                      ac: ActivationCheckpoint, train: Training, compile_cfg: Compile, keep_attention: bool) -> None:
+                      ac: ActivationCheckpoint, train: Training, compile_cfg: Compile, keep_attention: bool,
+                      block_causal: bool) -> None:
     """Shard and wrap `model` (a Transformer, or one pipeline stage of it) in place. Order matters: TP first, so
     later stages see DTensor weights; context parallel swaps each block's attention kernel before AC wraps the
     block; compile traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled)
     block. `keep_attention`: whether checkpointed blocks keep attention outputs on these ranks
-    (titan/parallel/ac.py keeps_attention)."""
+    (titan/parallel/ac.py keeps_attention). `block_causal`: attention stays within documents (context parallel
+    must know before the first batch)."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
     if dims.cp_enabled:
-        apply_cp(model, meshes.cp, par.context_parallel_rotate_method)
+        apply_cp(model, meshes.cp, par.context_parallel_rotate_method, block_causal)
     else:
         logger.info("Context parallel: off (--parallelism.context_parallel_degree 1)")
     if ac.mode != "none":

@@ -14,7 +14,9 @@ from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.loss import LossFn
+from titan.models.llama.attention import AttentionMask
+from titan.models.llama.batch import MicroBatch
+from titan.models.llama.loss import OutputLoss
 from titan.models.llama.model import RotaryEmbedding, Transformer
 from titan.parallel.reductions import as_local
 
@@ -25,9 +27,10 @@ StageExamples = list[tuple[Tensor, Tensor]]
 class StageModel(nn.Module):
     """The parts of a Transformer that one pipeline stage runs, under the full model's FQNs (layers.<id>,
     tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first stage takes token ids
-    (bs, seq), the last returns logits (bs, seq, padded_vocab), the others take and return hidden states
-    (bs, seq, dim). Absent parts are None. Every stage has its own rotary table (`rope`, a new one when not
-    given), since later stages (context parallel) change which positions a rank's table reads."""
+    (bs, seq), the last returns logits (bs, seq, padded_vocab) or, given labels, the summed loss (output_loss), the
+    others take and return hidden states (bs, seq, dim). Every stage also takes the tokens' positions and document
+    ids (Transformer.forward), which the schedule hands each stage. Absent parts are None. Every stage has its own
+    rotary table, attention mask and output loss (new ones when not given), which later stages may replace."""
 
     def __init__(self, args: ModelArgs, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
                  norm: nn.Module | None = None, output: nn.Module | None = None,
@@ -39,13 +42,20 @@ class StageModel(nn.Module):
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
         self.output = output
+        self.attention_mask = AttentionMask(args.attn_backend)
+        self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, positions: Tensor, document_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope = self.rope(self.rope.first_positions(h.shape[1]))  # h: (bs, seq, dim), a DTensor's global shape
+        rope = self.rope(positions)
+        mask = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape
         for layer in self.layers.values():
-            h = layer(h, rope)
-        return self.output(self.norm(h)) if self.output is not None else h
+            h = layer(h, rope, mask)
+        if self.output is None:
+            return h
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
 
 
 def build_stage_models(model: Transformer, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
@@ -79,11 +89,11 @@ class Pipeline:
     num_stages: int
     num_microbatches: int
     schedule_name: str
-    microbatch_loss: LossFn
-    """The loss the last stage computes per micro-batch: the step's loss share divided by the micro-batches."""
     pp_mesh: DeviceMesh
     device: torch.device
     schedule: _PipelineSchedule = field(init=False)
+    loss_scale: Tensor | None = field(init=False, default=None)
+    """What the running step multiplies each micro-batch's summed loss by (step/run)."""
 
     @property
     def holds_first_stage(self) -> bool:
@@ -93,31 +103,44 @@ class Pipeline:
     def holds_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """One local batch through the schedule, forward and backward: the sum of its micro-batch losses."""
-        return self.run(self.schedule.step, inputs, labels)
+    def step(self, micro_batch: MicroBatch, scale: Tensor) -> Tensor:
+        """One local batch through the schedule, forward and backward: the sum of its micro-batches' summed losses
+        times `scale`."""
+        return self.run(self.schedule.step, micro_batch, scale)
 
-    def eval(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """One local batch through the schedule, forward only: the sum of its micro-batch losses."""
-        return self.run(self.schedule.eval, inputs, labels)
+    def eval(self, micro_batch: MicroBatch, scale: Tensor) -> Tensor:
+        """One local batch through the schedule, forward only: the sum of its micro-batches' summed losses times
+        `scale`."""
+        return self.run(self.schedule.eval, micro_batch, scale)
 
-    def run(self, run: Callable[..., object], inputs: Tensor, labels: Tensor) -> Tensor:
-        """The first stage takes the inputs, the last the labels and returns the micro-batch losses; ranks without
-        the last stage contribute zero to the global mean."""
+    def run(self, run: Callable[..., object], micro_batch: MicroBatch, scale: Tensor) -> Tensor:
+        """The first stage takes the token ids, every stage their positions and document ids, and the last stage
+        the labels, from which it returns the micro-batches' summed losses; ranks without the last stage
+        contribute zero to the global mean."""
         losses: list[Tensor] = []
-        args = (inputs,) if self.holds_first_stage else ()
-        run(*args, target=labels if self.holds_last_stage else None, losses=losses)
+        args = (micro_batch.inputs,) if self.holds_first_stage else ()
+        kwargs = micro_batch.model_inputs()
+        if self.holds_last_stage:
+            kwargs["labels"] = micro_batch.labels
+        self.loss_scale = scale
+        # The last stage's outputs are the micro-batches' loss sums, which the schedule must not merge into a batch.
+        run(*args, target=micro_batch.labels if self.holds_last_stage else None, losses=losses,
+            return_outputs=False, **kwargs)
         if not self.holds_last_stage:
             return torch.zeros((), device=self.device)
         return sum(as_local(loss.detach()) for loss in losses)
 
+    def scaled_loss(self, loss_sum: Tensor, labels: Tensor) -> Tensor:
+        """The schedule's loss function: the last stage already returns a micro-batch's summed loss (from the
+        labels it was handed), which the step's scale turns into its share of the step's mean."""
+        return loss_sum * self.loss_scale
+
 
 def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, par: Parallelism, local_batch_size: int,
-                   loss_fn: LossFn, device: torch.device, parallelize: Callable[[nn.Module], None]) -> Pipeline:
+                   device: torch.device, parallelize: Callable[[nn.Module], None]) -> Pipeline:
     """Split `model` (on meta) into this rank's stages, parallelize each with `parallelize` (TP, CP, AC, compile,
-    FSDP, as a whole model would be), and build the schedule over them. `loss_fn` is one micro-batch's share of
-    the step's loss before the split into micro-batches, which this divides by their number. The stages learn
-    their neighbours' shapes during the first step (apply_stage_shapes gives them up front)."""
+    FSDP, as a whole model would be), and build the schedule over them. The stages learn their neighbours' shapes
+    during the first step (apply_stage_shapes gives them up front)."""
     schedule_name = par.pipeline_parallel_schedule
     num_microbatches = local_batch_size // par.pipeline_parallel_microbatch_size
     num_layers, pp = model.args.n_layers, pp_mesh.size()
@@ -129,20 +152,16 @@ def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, par: Parallelism, lo
     parts = build_stage_models(model, plan, ids)
     for part in parts:
         parallelize(part)
-
-    def microbatch_loss(logits: Tensor, labels: Tensor) -> Tensor:
-        return loss_fn(logits, labels) / num_microbatches
-
     pipeline = Pipeline(parts=parts, stage_ids=ids, num_stages=num_stages, num_microbatches=num_microbatches,
-                        schedule_name=schedule_name, microbatch_loss=microbatch_loss, pp_mesh=pp_mesh, device=device)
+                        schedule_name=schedule_name, pp_mesh=pp_mesh, device=device)
     pipeline.schedule = build_schedule(pipeline, example_io=None)
     return pipeline
 
 
 def build_schedule(pipeline: Pipeline, example_io: StageExamples | None) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over the pipeline's stages. Gradients are not rescaled by the
-    schedule (scale_grads=False): the micro-batch loss divides by the micro-batch count itself, since the schedule's
-    rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's (input,
+    schedule (scale_grads=False): the step scales each micro-batch's loss by the step's valid targets itself, since
+    the schedule's rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's (input,
     output) of one micro-batch, so that the stages need not learn their shapes from their neighbours; None: torch
     infers them during the first step."""
     examples = example_io or [(None, None)] * len(pipeline.parts)
@@ -151,9 +170,9 @@ def build_schedule(pipeline: Pipeline, example_io: StageExamples | None) -> _Pip
               for part, stage_id, (example_in, example_out) in zip(pipeline.parts, pipeline.stage_ids, examples)]
     schedule_class = get_schedule_class(pipeline.schedule_name)
     if issubclass(schedule_class, PipelineScheduleSingle):
-        return schedule_class(stages[0], n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.microbatch_loss,
+        return schedule_class(stages[0], n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.scaled_loss,
                               scale_grads=False)
-    return schedule_class(stages, n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.microbatch_loss,
+    return schedule_class(stages, n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.scaled_loss,
                           scale_grads=False)
 
 

@@ -2,13 +2,12 @@
 loss computed on vocab-sharded logits."""
 
 import contextlib
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.metrics.log import logger
+from titan.models.llama.loss import IGNORE_INDEX, LogitsLoss, OutputLoss
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:
@@ -54,7 +54,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            # (x, rotary rows, attention mask): only x is a DTensor.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -65,6 +67,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
             "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "feed_forward.w3": ColwiseParallel(),
         })
+    if model.output is not None:
+        model.output_loss = TensorParallelOutputLoss(model.output_loss.vocab_size, model.output.out_features,
+                                                     model.output_loss.chunk_size, tp_mesh, loss_parallel)
     if async_tp:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
@@ -75,10 +80,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
                 f"{', loss parallel' if loss_parallel else ''}{', async' if async_tp else ''})")
 
 
-def build_vocab_sharded_loss(vocab_size: int, padded_vocab: int, tp_mesh: DeviceMesh) -> Callable[..., Tensor]:
-    """Cross entropy over logits sharded along the vocab (a DTensor), with the padded columns masked.
+def build_vocab_sharded_loss(vocab_size: int, padded_vocab: int, tp_mesh: DeviceMesh) -> LogitsLoss:
+    """The summed cross entropy over logits sharded along the vocab (a DTensor), with the padded columns masked.
     Call it, and run backward, inside torch.distributed.tensor.parallel.loss_parallel().
-
     Slicing off the padded columns, as the single-device loss does, would gather the shards; adding -inf
     to them (a vocab-sharded bias) keeps every rank on its own slice and gives the same loss.
     """
@@ -86,11 +90,44 @@ def build_vocab_sharded_loss(vocab_size: int, padded_vocab: int, tp_mesh: Device
     bias[vocab_size:] = float("-inf")
     pad_bias = distribute_tensor(bias, tp_mesh, [Shard(0)])
 
-    def loss_fn(logits: Tensor, labels: Tensor, vocab_size: int) -> Tensor:
-        masked = logits.float() + pad_bias  # (bs, seq, padded_vocab), sharded on the vocab
-        return F.cross_entropy(masked.flatten(0, 1), labels.flatten(0, 1))
+    def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+        masked = logits.float() + pad_bias  # (..., padded_vocab), sharded on the vocab
+        return F.cross_entropy(masked.flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
 
     return loss_fn
+
+
+class TensorParallelOutputLoss(OutputLoss):
+    """OutputLoss of a tensor-parallel model: its final hidden states are sharded along the sequence (Shard(1)),
+    so each chunk is chunk_size of this rank's tokens, which the output layer gathers from every rank (a chunk of
+    tp x chunk_size tokens), and with `loss_parallel` its logits stay sharded along the vocab for the loss."""
+
+    def __init__(self, vocab_size: int, padded_vocab: int, chunk_size: int, tp_mesh: DeviceMesh,
+                 loss_parallel: bool) -> None:
+        super().__init__(vocab_size, chunk_size)
+        self.tp_mesh = tp_mesh
+        self.loss_parallel = loss_parallel
+        if loss_parallel:
+            self.logits_loss = build_vocab_sharded_loss(vocab_size, padded_vocab, tp_mesh)
+
+    def compile_logits_loss(self) -> None:
+        """The vocab-sharded loss stays eager. Compiled under loss_parallel (torch 2.13), each rank's graph bakes in
+        its own vocabulary offset, but inductor's on-disk graph cache keys them alike: a rank that loads another
+        rank's graph computes a wrong loss (inf in a training run). With the cache off the compiled loss is right."""
+        if not self.loss_parallel:
+            super().compile_logits_loss()
+
+    def token_chunks(self, h: Tensor, labels: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """h: a DTensor (bs, seq, dim) sharded on the sequence; labels (bs, seq), the same on every rank."""
+        local = h.to_local().flatten(0, 1)  # (bs * local_seq, dim): this rank's tokens, sample after sample
+        bs, seq = labels.shape
+        tp = self.tp_mesh.size()
+        # (tp, bs * local_seq): each rank's labels in its tokens' order, so that a chunk's labels line up with the
+        # rank-major rows the output layer's all-gather makes of every rank's chunk.
+        by_rank = labels.view(bs, tp, seq // tp).transpose(0, 1).reshape(tp, -1)
+        starts = range(0, local.size(0), self.chunk_size)
+        return [(DTensor.from_local(rows, self.tp_mesh, [Shard(0)]), by_rank[:, start:start + rows.size(0)].flatten())
+                for start, rows in zip(starts, local.split(self.chunk_size))]
 
 
 def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:

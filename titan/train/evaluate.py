@@ -18,7 +18,7 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 @dataclass(frozen=True)
 class EvalResult:
     loss: float
-    """Mean cross entropy per token over every evaluated token of every rank."""
+    """Mean cross entropy per valid target over every evaluated batch of every rank."""
     num_batches: int
     """Batches each data-parallel rank evaluated."""
     tokens: int
@@ -36,15 +36,15 @@ class EvalResult:
                 "val_seconds": self.seconds}
 
 
-def evaluate(batches: Iterable[Batch], batch_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-             global_sum: Callable[[torch.Tensor], torch.Tensor], num_loss_shares: int, tokens_per_batch: int,
-             device: torch.device, compiled: bool) -> EvalResult:
-    """Mean loss over `batches`, this rank's share of each global validation batch.
+def evaluate(batches: Iterable[Batch],
+             batch_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             global_sum: Callable[[torch.Tensor], torch.Tensor], tokens_per_batch: int, device: torch.device,
+             compiled: bool) -> EvalResult:
+    """Mean loss per valid target over `batches`, this rank's share of each global validation batch.
 
-    `batch_loss(inputs, labels)` is this rank's mean token loss of one batch (zero on ranks whose loss another rank
-    computes, such as pipeline stages before the last); `global_sum` adds a tensor over the ranks that hold loss
-    shares, `num_loss_shares` of them (data x context parallel). Every batch has the same number of tokens, so the
-    mean of the batch means is the mean per token. `tokens_per_batch` counts one batch over all data-parallel ranks.
+    `batch_loss(inputs, labels)` is this rank's (summed loss, valid targets) of one batch (both zero on ranks whose
+    loss another rank computes, such as pipeline stages before the last); `global_sum` adds a tensor over the ranks
+    that hold loss shares. `tokens_per_batch` counts one batch over all data-parallel ranks.
 
     Without gradients, except for a `compiled` model: its blocks then run the graphs compiled for training instead
     of compiling forward-only ones (which, for tensor-parallel blocks, fail inside torch 2.13's DTensor subclass
@@ -52,14 +52,15 @@ def evaluate(batches: Iterable[Batch], batch_loss: Callable[[torch.Tensor, torch
     loss and no gradient changes.
     """
     start = time.perf_counter()
-    loss_sum = torch.zeros((), device=device)
+    sums = torch.zeros(2, device=device)  # (summed loss, valid targets): one all-reduce and one host read for both
     num_batches = 0
     with torch.enable_grad() if compiled else torch.no_grad():
         for inputs, labels in batches:
-            loss = batch_loss(inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True))
-            loss_sum += loss.detach()
+            loss_sum, num_targets = batch_loss(inputs.to(device, non_blocking=True),
+                                               labels.to(device, non_blocking=True))
+            sums += torch.stack([loss_sum.detach(), num_targets])
             num_batches += 1
-    total = global_sum(loss_sum).item()
-    loss = total / (num_loss_shares * num_batches)
+    total, num_targets = global_sum(sums).tolist()
+    loss = total / max(num_targets, 1)
     return EvalResult(loss=loss, num_batches=num_batches, tokens=num_batches * tokens_per_batch,
                       seconds=time.perf_counter() - start)

@@ -20,20 +20,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
-from titan.models.llama.args import ModelArgs, build_model_args, padded_vocab_size
+from titan.models.llama.args import ModelArgs, build_model_args
 from titan.models.llama.flops import flops_per_token, num_params
 from titan.models.llama.init import init_weights
-from titan.models.llama.loss import LossFn, cross_entropy_loss
+from titan.models.llama.attention import document_layout, sequence_positions
+from titan.models.llama.batch import MicroBatch
+from titan.models.llama.loss import mask_cross_document_targets, num_valid_targets
 from titan.models.llama.model import Transformer
 from titan.parallel.ac import keeps_attention
-from titan.parallel.compile import compile_loss
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.init import apply_full_init, needs_full_init
 from titan.parallel.llama import parallelize_llama
 from titan.parallel.pp import Pipeline, build_pipeline, merge_stage_models
 from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
-from titan.parallel.tp import build_vocab_sharded_loss, loss_parallel_context
+from titan.parallel.tp import loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
@@ -76,7 +77,8 @@ class TrainingStep:
     meshes: Meshes | None
     device: torch.device
     model_parts: ModelParts
-    loss_fn: LossFn
+    bos_id: int | None
+    """Block-causal attention: the token that starts a document; None: causal."""
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_accumulation_steps: int
@@ -94,24 +96,45 @@ class TrainingStep:
 
     def compute_gradients(self, batches: Iterator[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         """Forward and backward over the step's accumulation micro-batches from `batches`, then clip: (the sum of
-        this rank's micro-batch losses, the global gradient norm before clipping)."""
+        this rank's scaled micro-batch losses, the global gradient norm before clipping). Every micro-batch's summed
+        loss is divided by the valid targets of the whole step (all accumulation steps and data-parallel ranks),
+        counted before the first forward, so each target weighs the same wherever it is."""
+        micro_batches = [self.micro_batch(inputs, labels)
+                         for inputs, labels in itertools.islice(batches, self.grad_accumulation_steps)]
+        scale = self.num_loss_shares / self.global_valid_targets(micro_batches)
         loss_sum_local = torch.zeros((), device=self.device)
-        for inputs, labels in itertools.islice(batches, self.grad_accumulation_steps):
-            loss_sum_local += self.forward_backward(inputs, labels)
+        for micro_batch in micro_batches:
+            loss_sum_local += self.forward_backward(micro_batch, scale)
         pp_mesh = self.meshes.pp if self.dims.pp_enabled else None
         return loss_sum_local, clip_grad_norm_(self.model.parameters(), self.train_cfg.max_norm, pp_mesh)
 
-    def forward_backward(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """One local batch, forward and backward: its loss divided by the accumulation steps, detached (the sum of
-        its micro-batch losses under pipeline parallel, zero on ranks without the last stage)."""
-        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
+    def micro_batch(self, inputs: Tensor, labels: Tensor) -> MicroBatch:
+        """A (bs, seq) batch of the loader as this rank's model reads it: document layout and masked targets under
+        block-causal attention, then this rank's context-parallel shard."""
+        if self.bos_id is None:
+            positions, document_ids = sequence_positions(inputs), None
+        else:
+            positions, document_ids = document_layout(inputs, self.bos_id)
+            labels = mask_cross_document_targets(labels, self.bos_id)
+        cp_mesh = self.meshes.cp if self.dims.cp_enabled else None
+        return MicroBatch(*shard_batch(cp_mesh, inputs, labels, positions, document_ids))
+
+    def global_valid_targets(self, micro_batches: list[MicroBatch]) -> Tensor:
+        """The valid targets of these micro-batches over every rank that holds loss shares (at least 1, so that a
+        step without targets has loss 0), as a float tensor on every rank: one small all-reduce, no host read."""
+        holds_loss = self.model_parts.pipeline is None or self.model_parts.pipeline.holds_last_stage
+        local = sum(num_valid_targets(micro_batch.labels) for micro_batch in micro_batches) if holds_loss else 0
+        return self.global_sum(torch.as_tensor(local, dtype=torch.float32, device=self.device)).clamp(min=1)
+
+    def forward_backward(self, micro_batch: MicroBatch, scale: Tensor) -> Tensor:
+        """One micro-batch, forward and backward, of the loss sum times `scale`: that loss, detached (the sum over
+        the pipeline's micro-batches under pipeline parallel, zero on ranks without the last stage)."""
         with loss_parallel_context(self.loss_parallel):
             if self.model_parts.pipeline is not None:
                 with self.autocast():
-                    return self.model_parts.pipeline.step(inputs, labels)
+                    return self.model_parts.pipeline.step(micro_batch, scale)
             with self.autocast():
-                logits = self.model(inputs)
-            loss = self.loss_fn(logits, labels) / self.grad_accumulation_steps
+                loss = self.model(micro_batch.inputs, labels=micro_batch.labels, **micro_batch.model_inputs()) * scale
             loss.backward()
         return as_local(loss.detach())
 
@@ -124,9 +147,10 @@ class TrainingStep:
         return torch.autocast(self.device.type, dtype=dtype)
 
     def global_mean(self, local_loss: Tensor) -> Tensor:
-        """The loss over the whole global batch: the mean over data-parallel and context-parallel ranks of their
-        losses, which only the last pipeline stage has. Every rank then sees the same value, so all stop together
-        on a non-finite one."""
+        """The step's loss, the mean per valid target over the global batch, from this rank's scaled loss
+        (compute_gradients: its summed loss times num_loss_shares over the step's valid targets, zero on ranks
+        without the last pipeline stage). Every rank then sees the same value, so all stop together on a
+        non-finite one."""
         return self.global_sum(local_loss) / self.num_loss_shares
 
     def global_sum(self, local_loss: Tensor) -> Tensor:
@@ -135,7 +159,8 @@ class TrainingStep:
 
     @property
     def num_loss_shares(self) -> int:
-        """Ranks whose losses make up the global mean: data x context parallel."""
+        """Ranks whose losses make up the global mean, data x context parallel: their gradients are averaged
+        (FSDP), so each scales its summed loss by this many over the step's valid targets."""
         return self.dims.dp_degree * self.dims.cp
 
     def apply_update(self) -> None:
@@ -145,41 +170,54 @@ class TrainingStep:
         self.model_parts.conversion.after_optimizer_step(self.model)
         self.lr_scheduler.step()
 
-    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> Tensor:
-        """One validation batch's mean token loss, forward only (zero on ranks without the last pipeline stage)."""
-        inputs, labels = shard_batch(inputs, labels, self.meshes.cp if self.dims.cp_enabled else None)
+    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks
+        without the last pipeline stage."""
+        micro_batch = self.micro_batch(inputs, labels)
         with loss_parallel_context(self.loss_parallel):
             if self.model_parts.pipeline is not None:
-                # The pipeline's micro-batch losses are divided by the micro-batches and accumulation steps
-                # (build_training_step), so they add up to the batch mean over accumulation steps.
+                one = torch.ones((), device=self.device)
                 with self.autocast():
-                    return self.model_parts.pipeline.eval(inputs, labels) * self.grad_accumulation_steps
-            with self.autocast():
-                logits = self.model(inputs)
-            return as_local(self.loss_fn(logits, labels))
+                    loss_sum = self.model_parts.pipeline.eval(micro_batch, one)
+                if not self.model_parts.pipeline.holds_last_stage:
+                    return loss_sum, torch.zeros((), device=self.device)
+            else:
+                with self.autocast():
+                    loss_sum = as_local(self.model(micro_batch.inputs, labels=micro_batch.labels,
+                                                   **micro_batch.model_inputs()))
+        return loss_sum, num_valid_targets(micro_batch.labels).float()
 
 
-def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,
+def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int, bos_id: int,
                         fake_mode: FakeTensorMode | None = None) -> TrainingStep:
     """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
-    its process group. `fake_mode`: the dry run's fake tensors, from the weights on (titan/estimate/simulate.py).
+    its process group. `bos_id`: the tokenizer's BOS, which starts every document (block-causal attention).
+    `fake_mode`: the dry run's fake tensors, from the weights on (titan/estimate/simulate.py).
     There the weights get storage but no values (trunc_normal_ reads data, which fake tensors have none of), and
     torch.compile stays off (it runs real kernels), while checkpointed blocks keep attention as the simulated GPU
     rank would with the requested compile setting."""
     meshes = build_meshes(dims, device)
     set_seed(cfg.training.seed, cfg.training.deterministic and fake_mode is None)
     training = cfg.training if fake_mode is None else replace(cfg.training, compile=False)
-    args = build_model_args(cfg.model.flavor, vocab_size, cfg.model.vocab_size_multiple_of, cfg.training.seq_len)
+    attn_backend, block_causal = cfg.model.attn_backend, cfg.model.attn_mask_type == "block_causal"
+    if fake_mode is not None and attn_backend == "flex":
+        # FlexAttention has no backward on CPU, where the dry run's fake tensors live. Causal flash SDPA stands in:
+        # the same memory (outputs and log-sum-exps) and the causal half of the attention work, which bounds
+        # FlexAttention's block-causal work from above (it skips every masked block).
+        attn_backend, block_causal = "sdpa", False
+        logger.info("Dry run: FlexAttention is simulated by causal flash attention (same memory; its causal half of "
+                    "the attention FLOPs bounds block-causal work from above).")
+    args = build_model_args(cfg.model.flavor, vocab_size, cfg.model.vocab_size_multiple_of, cfg.training.seq_len,
+                            attn_backend, cfg.training.loss_chunk_size)
     accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-    loss_fn = build_loss_fn(args, training, meshes.tp if loss_parallel else None)
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.training.compile,
                                      on_gpu=device.type == "cuda" or fake_mode is not None)
     parallelize = functools.partial(parallelize_llama, dims=dims, meshes=meshes, par=cfg.parallelism,
                                     ac=cfg.activation_checkpoint, train=training, compile_cfg=cfg.compile,
-                                    keep_attention=keep_attention)
-    model_parts = build_model(cfg, dims, meshes, args, device, parallelize,
-                              lambda logits, labels: loss_fn(logits, labels) / accumulation_steps)
+                                    keep_attention=keep_attention,
+                                    block_causal=block_causal)
+    model_parts = build_model(cfg, dims, meshes, args, device, parallelize)
     with fake_mode or contextlib.nullcontext():
         if fake_mode is None:
             init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled)
@@ -190,7 +228,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         optimizer = build_optimizer(model_parts.model, cfg.optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     return TrainingStep(train_cfg=training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
-                        loss_fn=loss_fn, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        bos_id=bos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel)
 
 
@@ -204,22 +242,10 @@ def count_accumulation_steps(training: Training, dp_degree: int) -> int:
     return steps
 
 
-def build_loss_fn(args: ModelArgs, training: Training, loss_parallel_mesh: DeviceMesh | None) -> LossFn:
-    """Cross entropy over the real vocab: on vocab-sharded logits under loss parallel (over `loss_parallel_mesh`,
-    the TP mesh), compiled under --training.compile, else in chunks of --training.loss_chunk_size."""
-    if loss_parallel_mesh is not None:
-        padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
-        return functools.partial(build_vocab_sharded_loss(args.vocab_size, padded_vocab, loss_parallel_mesh),
-                                 vocab_size=args.vocab_size)
-    if training.compile:
-        return functools.partial(compile_loss(cross_entropy_loss), vocab_size=args.vocab_size)
-    return functools.partial(cross_entropy_loss, vocab_size=args.vocab_size, chunk_size=training.loss_chunk_size)
-
-
 def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, args: ModelArgs, device: torch.device,
-                parallelize: Callable[[nn.Module], None], step_loss: LossFn) -> ModelParts:
-    """The model built on meta, converted, split into this rank's pipeline stages (with the schedule, whose last
-    stage computes `step_loss` per micro-batch) and parallelized; not yet materialised."""
+                parallelize: Callable[[nn.Module], None]) -> ModelParts:
+    """The model built on meta, converted, split into this rank's pipeline stages (with the schedule) and
+    parallelized; not yet materialised."""
     with torch.device("meta"):
         model = Transformer(args)
     total_params = num_params(model, exclude_embedding=False)
@@ -231,7 +257,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, args:
     conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, dims.tp,
                                   fsdp_enabled=dims.dp_enabled, print_after_conversion=cfg.model.print_after_conversion)
     if dims.pp_enabled:
-        pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, step_loss, device,
+        pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, device,
                                   parallelize)
         parts, whole = pipeline.parts, merge_stage_models(pipeline.parts)
     else:

@@ -46,7 +46,8 @@ class Trainer:
                                self.device, world_size)
         init_distributed(cfg.comm, self.device, world_size)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size)
+        self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
+                                            self.tokenizer.bos_id)
         set_collective_timeout(self.training.meshes, cfg.comm.init_timeout_seconds)
 
         dp_rank, dp_degree = data_parallel_rank(self.training.meshes)
@@ -213,8 +214,8 @@ class Trainer:
             part.eval()
         batches = self.validation_batches
         tokens_per_batch = batches.local_batch_size * batches.seq_len * self.dims.dp_degree
-        result = evaluate(batches, training.evaluation_loss, training.global_sum, training.num_loss_shares,
-                          tokens_per_batch, self.device, compiled=self.cfg.training.compile)
+        result = evaluate(batches, training.evaluation_loss, training.global_sum, tokens_per_batch, self.device,
+                          compiled=self.cfg.training.compile)
         for part in training.model_parts.parts:
             part.train()
         return result

@@ -3,9 +3,13 @@ without building a model."""
 
 from dataclasses import dataclass, replace
 
+from titan.models.llama.attention import AttnBackend
+
 # Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
 LLAMA3_VOCAB_SIZE = 128256
+LLAMA3_BOS_ID = 128000
+"""<|begin_of_text|> in Llama 3's tokenizer."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class ModelArgs:
     """Longest sequence the rotary table covers."""
     depth_init: bool = True
     """Output projections of layer i get std 0.02/sqrt(2*(i+1)); False: 0.02/sqrt(2*n_layers) for all."""
+    attn_backend: AttnBackend = "sdpa"
+    """Attention kernel: sdpa (causal only) or flex (FlexAttention, causal or block-causal)."""
+    loss_chunk_size: int = 1024
+    """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
 
 
 def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:
@@ -91,7 +99,9 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
 }
 
 
-def build_model_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int) -> ModelArgs:
-    """The flavor's shape with a tokenizer's vocab and a rotary table of max_seq_len positions."""
+def build_model_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
+                     attn_backend: AttnBackend = "sdpa", loss_chunk_size: int = 1024) -> ModelArgs:
+    """The flavor's shape with a tokenizer's vocab, a rotary table of max_seq_len positions, an attention kernel
+    and the output loss's chunk size."""
     return replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of,
-                   max_seq_len=max_seq_len)
+                   max_seq_len=max_seq_len, attn_backend=attn_backend, loss_chunk_size=loss_chunk_size)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan.models.llama.args import ModelArgs, RopeScaling, ffn_hidden_dim, padded_vocab_size
+from titan.models.llama.attention import AttentionMask, Mask, build_inner_attention
+from titan.models.llama.loss import OutputLoss
 
 
 class RMSNorm(nn.RMSNorm):
@@ -47,8 +49,9 @@ def precompute_rope_cache(args: ModelArgs) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The rotary table of precompute_rope_cache, read by token position. A module of its own so that a later stage
-    can change which positions a rank's tokens have (context parallel does)."""
+    """The rotary table of precompute_rope_cache, read by token position: the model's input positions (restarting at
+    each document under block-causal attention, this rank's rows under context parallel), or 0 .. seq - 1. A
+    module, so that its table moves and materialises with the model (init_weights rebuilds it)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -57,7 +60,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cache", precompute_rope_cache(args), persistent=False)
 
     def forward(self, positions: Tensor) -> Tensor:
-        """positions (seq,) -> their rows of the table, (seq, head_dim // 2, 2)."""
+        """positions (seq,) or (bs, seq) -> their rows of the table, (seq, head_dim // 2, 2) or
+        (bs, seq, head_dim // 2, 2)."""
         return self.cache[positions]
 
     def first_positions(self, seq: int) -> Tensor:
@@ -67,44 +71,22 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
     """Rotate each channel pair (2i, 2i+1) of x (bs, seq, heads, head_dim) by its position's angle, in fp32:
-    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals. rope_cache holds the
-    rows of x's positions first: RotaryEmbedding's output, or a whole table for positions 0 .. seq - 1."""
+    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals. rope_cache: the rows of
+    each sample's positions (bs, seq, head_dim // 2, 2), or rows shared by every sample whose first seq rows are
+    x's positions (RotaryEmbedding's output for (seq,) positions, or a whole table for positions 0 .. seq - 1)."""
     bs, seq, heads, head_dim = x.shape
     # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
     first, second = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
-    # Each (1, seq, 1, head_dim // 2): the same rotation for every head.
-    cos, sin = rope_cache[:seq].view(1, seq, 1, head_dim // 2, 2).unbind(-1)
+    # Each (bs or 1, seq, 1, head_dim // 2): the same rotation for every head.
+    rows = rope_cache if rope_cache.dim() == 4 else rope_cache[None, :seq]  # (bs or 1, seq, head_dim // 2, 2)
+    cos, sin = rows.unsqueeze(2).unbind(-1)
     rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
     return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
 
 
-class CausalAttention(nn.Module):
-    """Causal attention of q (bs, heads, seq, head_dim) over k, v (bs, kv_heads, seq, head_dim): query head h reads
-    kv head h // (heads // kv_heads). A module of its own, with no parameters, so that a later stage can wrap or
-    replace the attention kernel alone (context parallel does).
-
-    SDPA's enable_gqa reads the kv heads in place, where expanding them copies heads // kv_heads times their size.
-    On CUDA only the flash kernel takes enable_gqa, and only in fp16/bf16: there an fp32 call would fall back to
-    SDPA's slow math kernel, so fp32 expands the kv heads for the memory-efficient kernel."""
-
-    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        n_rep = q.size(1) // k.size(1)  # a ratio of local counts: sharding heads divides both by the same degree
-        if n_rep == 1 or q.device.type != "cuda" or q.dtype in (torch.float16, torch.bfloat16):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1)
-        return F.scaled_dot_product_attention(q, expand_kv_heads(k, n_rep), expand_kv_heads(v, n_rep),
-                                              is_causal=True)
-
-
-def expand_kv_heads(x: Tensor, n_rep: int) -> Tensor:
-    """A copy of keys or values x (bs, kv_heads, seq, head_dim) with kv head j repeated for query heads j*n_rep ...
-    j*n_rep + n_rep - 1: (bs, kv_heads * n_rep, seq, head_dim)."""
-    bs, kv_heads, seq, head_dim = x.shape
-    expanded = x[:, :, None].expand(bs, kv_heads, n_rep, seq, head_dim)  # (bs, kv_heads, n_rep, seq, head_dim)
-    return expanded.reshape(bs, kv_heads * n_rep, seq, head_dim)
-
-
 class Attention(nn.Module):
-    """Causal multi-head attention with grouped-query key/value heads and rotary positions."""
+    """Multi-head attention with grouped-query key/value heads and rotary positions, causal or block-causal
+    (args.attn_backend's kernel, `inner_attention`, under the mask Transformer.attention_mask builds)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -113,16 +95,16 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.inner_attention = CausalAttention()
+        self.inner_attention = build_inner_attention(args.attn_backend)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_heads, head_dim): -1 since TP may shard heads
         k = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         out = out.transpose(1, 2).reshape(bs, seq, -1)  # (bs, seq, local_heads * head_dim)
         return self.wo(out)
 
@@ -150,8 +132,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
 
-    def forward(self, x: Tensor, rope_cache: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache)
+    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -160,7 +142,7 @@ class Transformer(nn.Module):
 
     The embedding and output have padded_vocab_size(vocab_size, vocab_size_multiple_of) rows so their
     shapes split evenly. forward() returns logits over that padded vocab; the padded columns are
-    meaningless, so cross_entropy_loss and user_logits drop them.
+    meaningless, so the losses and user_logits drop them.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -173,14 +155,22 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(layer_id): TransformerBlock(args) for layer_id in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, padded_vocab, bias=False)
+        self.attention_mask = AttentionMask(args.attn_backend)
+        self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """tokens (bs, seq) -> logits (bs, seq, padded_vocab)."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        """tokens (bs, seq) -> logits (bs, seq, padded_vocab); with labels (bs, seq), the summed loss of the valid
+        targets instead (output_loss), without the whole logits. positions (bs, seq): each token's rotary position
+        (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
+        causal over the sequence. attention.document_layout reads both from token ids."""
         h = self.tok_embeddings(tokens)  # (bs, seq, dim)
-        rope = self.rope(self.rope.first_positions(tokens.size(1)))
+        rope = self.rope(self.rope.first_positions(tokens.size(1)) if positions is None else positions)
+        mask = self.attention_mask(h, document_ids)
         for layer in self.layers.values():
-            h = layer(h, rope)
-        return self.output(self.norm(h))
+            h = layer(h, rope, mask)
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
 
     def user_logits(self, tokens: Tensor) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""
