@@ -1,5 +1,6 @@
 """Launch a test script on several gloo processes with torchrun, as the multi-process tests do."""
 
+import gc
 import json
 import os
 import re
@@ -118,13 +119,19 @@ def run_cases(script: str, nprocs: int, folder: Path, cases: dict[str, list[str]
 def run_each_case(run_case: Callable[[list[str], int], dict]) -> None:
     """The harness side of run_cases (argv: the folder and the case file): `run_case(flags, world_size)` runs one
     case on this rank and returns rank 0's result, saved as each case finishes. Compiled code is dropped between
-    cases: dynamo's recompile limit, counted per code object across cases, would otherwise fall back to eager."""
+    cases: dynamo's recompile limit, counted per code object across cases, would otherwise fall back to eager.
+    Before that, the case's trainer, whose modules hold reference cycles through their hooks, is collected: so its
+    compiled modules are freed while dynamo's caches still hold their entries, not by a collection during a later
+    case, after the reset. A precaution: dynamo has crashed on compiled code used after a reset
+    (pytorch/pytorch#155057), and a rank of this harness once died by SIGSEGV, without a Python error, three cases
+    after a compiled one."""
     folder, cases = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     world_size = int(os.environ["WORLD_SIZE"])
     for name, flags in cases.items():
         result = run_case(flags, world_size)
         if int(os.environ["RANK"]) == 0:
             torch.save(result, folder / f"{name}.pt")
+        gc.collect()
         torch._dynamo.reset()
 
 
