@@ -1,17 +1,17 @@
 """Context parallel: the sequence of every sample is split over the `cp` ranks, and attention exchanges keys and
-values so that each rank's rows equal those of causal attention over the whole sequence.
+values so that each rank's rows equal those of causal or block-causal attention over the whole sequence.
 
 Layout (head-tail, as torch's `_HeadTailLoadBalancer`): the sequence is cut into 2 * cp chunks and cp rank r holds
-chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Inputs and
-labels are sharded with `shard_sequence`, and the model's rotary table reads the positions of the rows this rank
-holds, so rotary positions follow the tokens.
+chunk r followed by chunk 2 * cp - 1 - r, so every rank gets the same share of the causal mask's work. Token ids,
+labels, rotary positions and document ids are sharded alike with `shard_batch`, so rotary positions follow the
+tokens.
 
-`apply_cp` changes the model in place, as TP and FSDP do: each block's attention kernel (the model's
-CausalAttention module) is replaced by a ContextParallelAttention module, and the rotary table is told this rank's
-positions. Attention: on CUDA, torch's ring attention, by torch's own module style (`_ContextParallel`: q/k/v become
-sequence-sharded DTensors, and its dispatcher sends their SDPA to the ring), which covers only the CUDA SDPA kernels
-(flash, efficient, cudnn). Elsewhere (CPU tests), the same two rotate methods written here with autograd-aware
-functional collectives, so CPU runs check the same math. torch's style cannot carry that CPU exchange: its
+`apply_cp` changes the model in place, as TP and FSDP do: each block's attention kernel is replaced by a
+ContextParallelAttention module, and the model's attention mask by DocumentIds (the whole sequence's document ids).
+Attention: for causal attention on CUDA, torch's ring attention, by torch's own module style (`_ContextParallel`:
+q/k/v become sequence-sharded DTensors, and its dispatcher sends their SDPA to the ring), which covers only the CUDA
+SDPA kernels (flash, efficient, cudnn) and no document mask. Elsewhere (CPU, and block-causal attention), the same two
+rotate methods written here with autograd-aware functional collectives. torch's style cannot carry that exchange: its
 dispatcher hands each SDPA op to a handler as separate forward and backward ops (aten's flash-attention kernels and
 their backward), where Titan's exchange is written once, in autograd-aware collectives (docs/parallelism.md).
 """

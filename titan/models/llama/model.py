@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan.models.llama.args import ModelArgs, RopeScaling, ffn_hidden_dim, padded_vocab_size
-from titan.models.llama.attention import AttentionMask, Mask, build_inner_attention
+from titan.models.llama.attention import AttentionMask, Mask, build_inner_attention, sequence_positions
 from titan.models.llama.loss import OutputLoss
 
 
@@ -63,10 +63,6 @@ class RotaryEmbedding(nn.Module):
         """positions (seq,) or (bs, seq) -> their rows of the table, (seq, head_dim // 2, 2) or
         (bs, seq, head_dim // 2, 2)."""
         return self.cache[positions]
-
-    def first_positions(self, seq: int) -> Tensor:
-        """Positions 0 .. seq - 1, where the table lives: the positions of a sequence's tokens."""
-        return torch.arange(seq, device=self.cache.device)
 
 
 def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
@@ -165,7 +161,7 @@ class Transformer(nn.Module):
         (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
         causal over the sequence. attention.document_layout reads both from token ids."""
         h = self.tok_embeddings(tokens)  # (bs, seq, dim)
-        rope = self.rope(self.rope.first_positions(tokens.size(1)) if positions is None else positions)
+        rope = self.rope(sequence_positions(tokens) if positions is None else positions)
         mask = self.attention_mask(h, document_ids)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
