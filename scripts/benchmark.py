@@ -1,7 +1,8 @@
 """Benchmarks of Titan's train step.
 
-Titan's trainer overhead: its train step (data loader, NaN/spike guard, gradient-norm read, metering) against a
-bare loop (forward, loss, backward, clip, optimizer step) on the same model, optimizer and batches, in one process.
+Titan's trainer overhead: its train step (data loader, the device-side skip decision, the previous step's
+asynchronous loss read, NaN/spike guard, LR schedule, metering) against a bare loop (forward, loss, backward, clip,
+optimizer step, no read at all) on the same model, optimizer and batches, in one process.
 The two alternate in rounds (ABAB...), and the ratio is the median over rounds, with its range (the target is
 Titan within 3% of bare):
 
@@ -53,11 +54,18 @@ the latency of their one all-reduce between 2 gloo processes:
     python scripts/benchmark.py --production
     python scripts/benchmark.py --production --steps 100 -- --validation.freq 20
 
+Python's garbage collections during a whole training run on N processes (torchrun), per rank: with the collector's
+automatic runs (what Titan did before --training.gc_freq) and on Titan's schedule; their count by generation, total
+and longest pause, and the steps at which the scheduled ones ran:
+
+    python scripts/benchmark.py --gc 2 --steps 60 -- --parallelism.tensor_parallel_degree 2
+
 Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -123,14 +131,15 @@ def time_titan(trainer: Trainer, warmup: int, steps: int) -> float:
 def timed_train_steps(trainer: Trainer, data_iterator: Iterator, steps: int) -> tuple[float, list[float]]:
     """Seconds for the next `steps` train steps of `trainer`, numbered as the training loop numbers them, and
     their losses."""
-    losses = []
+    results = []
     synchronize(trainer.device)
     start = time.perf_counter()
     for _ in range(steps):
         trainer.step += 1
-        losses.append(trainer.train_step(data_iterator)[0])
+        results.append(trainer.train_step(data_iterator))  # the step before this one, finished while this one runs
+    results.append(trainer.finish_step())
     synchronize(trainer.device)
-    return time.perf_counter() - start, losses
+    return time.perf_counter() - start, [result.loss for result in results if result is not None]
 
 
 def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
@@ -446,6 +455,66 @@ def production_table(args: argparse.Namespace, argv: list[str]) -> None:
           f"all-reduce between 2 gloo processes: {results.get() * 1e6:.1f} us")
 
 
+class AutomaticCollection:
+    """In place of the trainer's ScheduledCollector: Python's automatic collections, as before --training.gc_freq."""
+
+    def __enter__(self) -> "AutomaticCollection":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        return None
+
+    def step(self, step: int) -> None:
+        return None
+
+    def take_pause_seconds(self) -> float:
+        return 0.0
+
+
+def measure_rank_collections(args: argparse.Namespace, argv: list[str]) -> None:
+    """Worker under torchrun: Trainer.run of --steps steps, with every collection timed through gc.callbacks;
+    --gc-automatic keeps the collector's automatic runs (the trainer's schedule replaced by nothing)."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    trainer = Trainer(load_job_config([*argv, "--training.steps", str(args.steps), "--metrics.log_freq",
+                                       str(args.steps)], world_size), world_size)
+    if args.gc_automatic:
+        trainer.collector = AutomaticCollection()
+    pauses: list[tuple[int, int, float]] = []  # (generation, step, seconds)
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], trainer.step, time.perf_counter() - started[0]))
+
+    gc.callbacks.append(timed)
+    trainer.run()
+    gc.callbacks.remove(timed)
+    print(f"RESULT {trainer.rank} {json.dumps(pauses)}", flush=True)
+    destroy_distributed(wait_for_peers=True)
+
+
+def collection_table(args: argparse.Namespace) -> None:
+    """Run measure_rank_collections under torchrun, automatic and scheduled, and print a line per rank."""
+    print(f"{'collector':<10} {'rank':>4} {'collections (gen 0/1/2)':>24} {'total ms':>9} {'longest ms':>11}  steps")
+    for mode in ("automatic", "scheduled"):
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gc}",
+                   __file__, "--rank-collections", "--steps", str(args.steps),
+                   *(["--gc-automatic"] if mode == "automatic" else []), "--", *args.titan_flags]
+        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LOG_RANK": "0"})
+        lines = sorted(line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RESULT"))
+        if result.returncode != 0 or not lines:
+            raise SystemExit(f"{mode} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        for _, rank, text in lines:
+            pauses = json.loads(text)
+            counts = "/".join(str(sum(1 for generation, _, _ in pauses if generation == g)) for g in range(3))
+            seconds = [pause for _, _, pause in pauses]
+            steps = sorted({step for _, step, _ in pauses}) if mode == "scheduled" else "-"
+            print(f"{mode:<10} {rank:>4} {counts:>24} {1000 * sum(seconds):9.1f} {1000 * max(seconds, default=0):11.2f}"
+                  f"  {steps}")
+
+
 # The job Titan is held against torchtitan on (issue 14): torchtitan's debugmodel (16 kv heads, a 2048-token
 # vocabulary: 6,163,712 parameters), 8 x 2048 tokens per step, bf16 autocast, every 2nd block checkpointed, eager.
 ABLATION_JOB = ["--model.flavor", "debugmodel_mha", "--training.seq_len", "2048", "--training.local_batch_size", "8",
@@ -627,6 +696,10 @@ def main() -> None:
                         help="tokens/s, peak memory and loss difference of each speed lever, alone and together")
     parser.add_argument("--data", action="store_true",
                         help="the last data-parallel rank's read time per batch at degrees 1 to 1024")
+    parser.add_argument("--gc", type=int, metavar="N",
+                        help="garbage collections per rank over a run on N processes, automatic and scheduled")
+    parser.add_argument("--rank-collections", action="store_true", help=argparse.SUPPRESS)  # the --gc worker
+    parser.add_argument("--gc-automatic", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()
     if args.steps is None:
@@ -641,6 +714,12 @@ def main() -> None:
         return
     if args.fsdp_memory:
         fsdp_memory_table(args)
+        return
+    if args.gc:
+        collection_table(args)
+        return
+    if args.rank_collections:
+        measure_rank_collections(args, argv)
         return
     if args.rank_memory:
         measure_rank_memory(args, argv)

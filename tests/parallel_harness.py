@@ -63,7 +63,8 @@ def run_case(flags: list[str], world_size: int) -> dict:
     losses = []
     for _ in range(trainer.cfg.training.steps):
         trainer.step += 1
-        losses.append(trainer.train_step(data)[0])
+        trainer.train_step(data)
+        losses.append(trainer.finish_step().loss)
     if world_size == 1:
         weights = {name: value.detach().cpu() for name, value in trainer.training.model.state_dict().items()}
     elif trainer.dims.pp_enabled:

@@ -116,7 +116,7 @@ def step_gradients(training: TrainingStep, batches: list[tuple[torch.Tensor, tor
                    ) -> tuple[float, dict[str, torch.Tensor]]:
     """(the step's mean loss, every parameter's gradient) of one step over `batches`, without updating."""
     training.optimizer.zero_grad()
-    loss_sum, _ = training.compute_gradients(iter(batches))
+    loss_sum, _ = training.compute_gradients([training.micro_batch(inputs, labels) for inputs, labels in batches])
     grads = {name: p.grad.clone() for name, p in training.model.named_parameters()}
     training.optimizer.zero_grad()
     return training.global_mean(loss_sum).item(), grads

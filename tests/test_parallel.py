@@ -296,7 +296,8 @@ def run_losses(tmp_path: Path, *flags: str) -> list[float]:
     losses = []
     for _ in range(3):
         trainer.step += 1
-        losses.append(trainer.train_step(data)[0])
+        trainer.train_step(data)
+        losses.append(trainer.finish_step().loss)
     return losses
 
 

@@ -4,6 +4,7 @@ rank's stacks in <dump_folder>/hang/ and the slow rank named."""
 
 import logging
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -205,7 +206,8 @@ def test_the_same_signal_again_exits_at_once() -> None:
 
 def test_a_stalled_rank_ends_the_run_with_its_stacks_and_name(tmp_path: Path) -> None:
     """Rank 1 stalls after step 2 under --comm.train_timeout_seconds 5: rank 0 waits for it at the step boundary.
-    Both watchdogs write their stacks, name rank 1 as the slowest, and the run exits 5 without a gloo timeout."""
+    Both watchdogs write their stacks and flight-recorder dumps, name rank 1 as the slowest, and the run exits 5
+    without a gloo timeout."""
     result = launch(2, "2:1:stall", tmp_path, *FSDP2, "--comm.train_timeout_seconds", "5")
     output = result.stdout + result.stderr
     assert result.returncode == 5, output[-4000:]
@@ -217,12 +219,22 @@ def test_a_stalled_rank_ends_the_run_with_its_stacks_and_name(tmp_path: Path) ->
                 f"(--comm.train_timeout_seconds 5)") in output
     assert "The slowest is rank 1, which last completed step 1" in output
     assert "Traceback" not in output
+    # The flight recorder (gloo on CPU): rank 0's last collective, the boundary's agreement on the default group,
+    # is the one after the last that rank 1 ran there, which rank 1 never joined.
+    entries = {rank: pickle.loads((tmp_path / "comm_traces" / f"gloo_rank_{rank}").read_bytes())["entries"]
+               for rank in (0, 1)}
+    waiting = entries[0][-1]
+    assert waiting["process_group"][1] == "default_pg" and waiting["profiling_name"] == "gloo:all_reduce"
+    assert waiting["state"] != "completed"
+    ran_by_1 = max(e["collective_seq_id"] for e in entries[1] if e["process_group"][1] == "default_pg")
+    assert waiting["collective_seq_id"] == ran_by_1 + 1
+    assert f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path / 'comm_traces'}" in output
 
 
 def test_a_single_process_that_hangs_writes_its_stacks_and_exits_5(tmp_path: Path) -> None:
     """One process, no peers to ask: the watchdog still writes the stacks and ends the process with code 5."""
     script = (f"import time; from pathlib import Path; from titan.train.watchdog import Watchdog\n"
-              f"watchdog = Watchdog(1, Path({str(tmp_path)!r}), rank=0, world_size=1)\n"
+              f"watchdog = Watchdog(1, Path({str(tmp_path)!r}), rank=0, world_size=1, traces_folder=None)\n"
               f"watchdog.step_ended(7)\n"
               f"def stuck_after_step_7(): time.sleep(60)\n"
               f"stuck_after_step_7()\n")

@@ -1,5 +1,6 @@
 """The training loop on the real debug model, shipped corpus and tokenizer, on CPU."""
 
+import gc
 import json
 import math
 import re
@@ -16,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_error, stop_hints
+from titan.train.readback import Readback
 from titan.train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,16 +220,76 @@ def copies_to_host(func: torch._ops.OpOverload, args: tuple, result: object) -> 
     return result.device.type == "cpu" and source.device.type != "cpu"
 
 
-def test_train_step_reads_loss_and_norm_in_one_transfer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The NaN guard needs the loss and the gradient norm on the host every step; they come back together in one
-    tensor (.tolist(), one copy), not one read each."""
-    trainer = build_trainer(tmp_path, "--training.steps", "2")
-    data_iterator = iter(trainer.dataloader)
-    trainer.step = 1
+def test_the_step_loop_reads_a_step_only_once_the_next_is_queued(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """No blocking read in the step loop: over a whole run that logs every step, nothing reads device memory
+    (.item(), .tolist(), a copy to the CPU; HostReads) except each step's Readback, which the loop reads while the
+    step after it is queued (trainer.step is one ahead), and the last step's at the end of the run."""
+    trainer = build_trainer(tmp_path, "--training.steps", "6")
+    real_values = Readback.values
+    read_at: list[int] = []
     with HostReads(monkeypatch) as reads:
-        loss, grad_norm, anomaly = trainer.train_step(data_iterator)
-    assert reads.count == 1
-    assert math.isfinite(loss) and grad_norm > 0 and anomaly is None
+        def values(readback: Readback) -> list[float]:
+            read_at.append(trainer.step)
+            reads.inside_read = True  # counted apart, in read_at
+            try:
+                return real_values(readback)
+            finally:
+                reads.inside_read = False
+
+        monkeypatch.setattr(Readback, "values", values)
+        trainer.run()
+    assert reads.count == 0
+    assert read_at == [2, 3, 4, 5, 6, 6]
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")
+def test_the_step_loop_never_synchronizes_a_cuda_device(tmp_path: Path) -> None:
+    """Under torch.cuda.set_sync_debug_mode("error") every synchronizing call (a read, a blocking copy, an op whose
+    output size depends on data) raises. Steps 2 to 5, once the first step has set the optimizer state up."""
+    trainer = build_trainer(tmp_path, "--training.steps", "5")
+    data_iterator = iter(trainer.dataloader)
+    trainer.step += 1
+    trainer.train_step(data_iterator)
+    trainer.finish_step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            trainer.step += 1
+            trainer.train_step(data_iterator)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.finish_step().step == 5
+
+
+def test_garbage_is_collected_on_schedule_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--training.gc_freq 2 over 5 steps: automatic collection is off while training, generation 1 is collected
+    before the first step and after steps 2 and 4, the pauses are in the metrics, and collection is back on after."""
+    trainer = build_trainer(tmp_path, "--training.steps", "5", "--training.gc_freq", "2")
+    collections: list[tuple[int, int]] = []
+    real_collect = gc.collect
+
+    def collect(generation: int = 2) -> int:
+        collections.append((trainer.step, generation))
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    enabled_during_steps = set()
+    real_train_step = trainer.train_step
+
+    def train_step(data_iterator: Iterator) -> object:
+        enabled_during_steps.add(gc.isenabled())
+        return real_train_step(data_iterator)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
+    assert gc.isenabled()
+    trainer.run()
+    assert gc.isenabled() and enabled_during_steps == {False}
+    assert collections == [(0, 1), (2, 1), (4, 1)]
+    # A record has the pauses since the previous one; step N is logged once step N + 1 is queued, after N's collection.
+    pauses = {r["step"]: r["gc_pause_s"] for r in read_metrics(tmp_path)}
+    assert pauses[1] > 0 and pauses[2] > 0 and pauses[3] == 0 and pauses[4] > 0 and pauses[5] == 0
 
 
 def test_nonfinite_grad_is_named() -> None:

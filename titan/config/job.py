@@ -103,7 +103,9 @@ class Optimizer:
     """Weight decay coefficient."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (one kernel updates every parameter; foreach on a device torch has no fused Adam
-    kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time)."""
+    kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time). Only fused skips a step's update
+    on the device (--training.on_nonfinite, --training.on_spike); with the others the host waits for each step's
+    verdict before its update."""
 
 
 @dataclass
@@ -184,6 +186,10 @@ class Training:
     spike_threshold: PositiveFloat = 6.0
     """A step is a spike when its loss exceeds the median of the last spike_window losses by more than this many
     median absolute deviations (the deviation is floored at 1% of the median, so a flat loss never flags noise)."""
+    gc_freq: Count = 50
+    """Python's garbage collector runs every this many steps, on every rank at the same step, and never on its own
+    during training: an automatic collection pauses one rank at a random moment, and at scale every rank waits for
+    it. Each pause is in the metrics (gc_pause_s). Lower it if host memory grows between collections."""
 
 
 @dataclass
@@ -241,8 +247,15 @@ class Comm:
     """Timeout for process-group setup and the first collectives."""
     train_timeout_seconds: Count = 100
     """Longest a training step, or the logging, checkpoint save or evaluation after it, may take once the first step is
-    done. Past it, every rank writes its Python stacks to <dump_folder>/hang/rank_<r>.txt and the run exits with code
-    5, naming the slowest rank. Collectives time out 30 s later than this."""
+    done. Past it, every rank writes its Python stacks to <dump_folder>/hang/rank_<r>.txt and its flight recorder's
+    collectives (--comm.trace_buf_size) to <dump_folder>/<save_traces_folder>, and the run exits with code 5, naming
+    the slowest rank. Collectives time out 30 s later than this."""
+    trace_buf_size: NonNegativeInt = 20000
+    """Collectives that torch's flight recorder keeps per rank (a ring buffer, for NCCL and gloo groups alike): on a
+    hang each rank writes what it last ran and what it waits in, for `python -m torch.distributed.flight_recorder.
+    fr_trace`. 0: off."""
+    save_traces_folder: str = "comm_traces"
+    """Folder under --job.dump_folder for the flight recorder's dumps: rank_<r> (NCCL) and gloo_rank_<r> (gloo)."""
 
 
 @dataclass

@@ -123,14 +123,15 @@ def random_batches(training: TrainingStep) -> Iterator[tuple[Tensor, Tensor]]:
 
 
 def run_step(training: TrainingStep, recorder: StepRecorder | None) -> None:
-    """One training step as the trainer's train_step runs it (minus the host read of the loss, which fake tensors
-    don't have); the recorder learns which storages are gradients once backward made them."""
-    training.optimizer.zero_grad()
-    loss_sum, _ = training.compute_gradients(random_batches(training))
+    """One training step as the trainer's train_step runs it (minus the judgement of the loss, which fake tensors
+    have no values for); the recorder learns which storages are gradients once backward made them."""
+    batches = random_batches(training)
+    micro_batches = [training.micro_batch(*next(batches)) for _ in range(training.grad_accumulation_steps)]
+    loss_sum, _ = training.compute_gradients(micro_batches)
     training.global_mean(loss_sum)
     if recorder is not None:
         recorder.label((p.grad for p in training.model.parameters() if p.grad is not None), "gradients")
-    training.apply_update()
+    training.apply_update(skip=None)
 
 
 def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecorder:

@@ -12,10 +12,11 @@ Record = dict[str, float | int | dict[str, int] | None]
 
 # Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU). Rates are over
 # the steps since the previous record; step_time_min_s/max_s are the logged step's time on the fastest and the
-# slowest rank (a straggler shows as a wide range); tokens_by_source is the input tokens drawn from each source of
-# a --training.mixture since the run began (None for a single source).
+# slowest rank (a straggler shows as a wide range); gc_pause_s is the time spent in scheduled garbage collections
+# (--training.gc_freq) since the previous record; tokens_by_source is the input tokens drawn from each source of a
+# --training.mixture since the run began (None for a single source).
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
-               "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "tokens_by_source")
+               "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "gc_pause_s", "tokens_by_source")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
 
@@ -61,6 +62,8 @@ class ConsoleSink:
         fastest, slowest = f"{record['step_time_min_s']:.2f}", f"{record['step_time_max_s']:.2f}"
         parts.append(("step_time_max_s", f"step {fastest}s" if fastest == slowest else f"step {fastest}-{slowest}s"))
         parts.append(("eta_s", f"eta {format_duration(record['eta_s'])}"))
+        if record["gc_pause_s"]:
+            parts.append(("gc_pause_s", f"gc {1000 * record['gc_pause_s']:.0f}ms"))
         if record["tokens_by_source"]:
             total = sum(record["tokens_by_source"].values())
             shares = " ".join(f"{name} {100 * tokens / total:.0f}%" for name, tokens in record["tokens_by_source"].items())

@@ -3,6 +3,7 @@
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -74,16 +75,56 @@ def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
                         dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree)
 
 
-def init_distributed(comm: Comm, device: torch.device, world_size: int) -> None:
+def init_distributed(comm: Comm, device: torch.device, world_size: int, dump_folder: Path) -> None:
     """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, unless this process
-    has joined it already (one that runs several jobs in turn, as the parity tests' harness does)."""
+    has joined it already (one that runs several jobs in turn, as the parity tests' harness does). The flight
+    recorder is turned on first: torch reads its settings when a group is created."""
     if world_size == 1 or dist.is_initialized():
         return
+    enable_flight_recorder(comm, dump_folder)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm.init_timeout_seconds),
                             device_id=device if device.type == "cuda" else None)
     logger.info(f"Joined a {backend} process group of {world_size} ranks (rank {dist.get_rank()}, "
                 f"local rank {os.environ.get('LOCAL_RANK', '0')})")
+
+
+def flight_recorder_env(comm: Comm, dump_folder: Path) -> dict[str, str]:
+    """torch's flight-recorder settings for --comm.trace_buf_size and --comm.save_traces_folder, each under its
+    current name (TORCH_FR_*) and its older NCCL one, since torch 2.11 to 2.13 read one or the other. NCCL also
+    dumps by itself when one of its collectives times out, which is what a hang before the watchdog watches (setup
+    and the first step) ends in, to rank_<r> in the traces folder."""
+    size = str(comm.trace_buf_size)
+    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size}
+    if comm.trace_buf_size > 0:
+        prefix = str(dump_folder / comm.save_traces_folder / "rank_")
+        env.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix,
+                   TORCH_FR_DUMP_TEMP_FILE=prefix)
+    return env
+
+
+def enable_flight_recorder(comm: Comm, dump_folder: Path) -> None:
+    """Set the flight recorder's environment for the process groups created after this, replacing (with a
+    warning) values set outside Titan, since the config fields are the ones that say where dumps go."""
+    env = flight_recorder_env(comm, dump_folder)
+    for name, value in env.items():
+        if os.environ.get(name, value) != value:
+            logger.warning(f"{name}={os.environ[name]} from the environment is replaced by {value} "
+                           f"(--comm.trace_buf_size, --comm.save_traces_folder)")
+        os.environ[name] = value
+    if comm.trace_buf_size > 0:
+        (dump_folder / comm.save_traces_folder).mkdir(parents=True, exist_ok=True)
+
+
+def build_host_group() -> dist.ProcessGroup | None:
+    """A gloo group of every rank, for agreeing on host facts (a signal, a time limit): a collective on NCCL runs
+    on the GPU's stream, so reading its result would wait for every kernel queued before it. The default group
+    when it is gloo already; None on a single process."""
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
 
 
 def destroy_distributed(wait_for_peers: bool) -> None:

@@ -5,6 +5,11 @@ Every rank judges the same global loss and gradient norm (Trainer.global_mean), 
 decision at the same step without a collective of its own. A spike is a loss above the median of the last
 --training.spike_window applied steps' losses by more than --training.spike_threshold median absolute deviations
 (MAD, floored at 1% of the median): a robust test, since one earlier spike in the window moves neither statistic.
+
+Each step is judged twice, alike: on the device when its update is queued (skips_update: a 0-dim tensor that gates
+the optimizer, so the host never waits for the loss), and on the host once the loss and norm have come back, a step
+later (inspect: the record, the log line, a rollback or a stop). The device compares against the spike limit of the
+window as the host holds it then, which is the window inspect() judges the step by.
 """
 
 import json
@@ -15,11 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from titan.config.job import Training
 from titan.metrics.log import logger
-from titan.train.nan_guard import nonfinite_reason, stop_error
+from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_error
 
 ANOMALIES_FILE = "anomalies.jsonl"
 MAD_FLOOR = 0.01
@@ -43,14 +49,20 @@ class SpikeDetector:
         self.threshold = threshold
         self.losses: deque[float] = deque(losses, maxlen=window)
 
-    def check(self, loss: float) -> Spike | None:
-        """The spike `loss` is, or None (also while the window is not full yet)."""
+    def bound(self) -> Spike | None:
+        """The statistics of the full window, whose `limit` a loss must exceed to be a spike; None while the window
+        is not full yet."""
         if len(self.losses) < self.losses.maxlen:
             return None
         median = statistics.median(self.losses)
         mad = statistics.median(abs(value - median) for value in self.losses)
         limit = median + self.threshold * max(mad, MAD_FLOOR * abs(median))
-        return Spike(median, mad, self.threshold, limit) if loss > limit else None
+        return Spike(median, mad, self.threshold, limit)
+
+    def check(self, loss: float) -> Spike | None:
+        """The spike `loss` is, or None (also while the window is not full yet)."""
+        bound = self.bound()
+        return bound if bound is not None and loss > bound.limit else None
 
     def add(self, loss: float) -> None:
         self.losses.append(loss)
@@ -83,6 +95,8 @@ class Anomaly:
     checkpoint_step: int | None = None
     batches_skipped: int | None = None
     """Micro-batches per data-parallel rank that a rollback left untrained: those of the steps it undid."""
+    skips_used_up: str = ""
+    """For a stop past --training.max_skipped_steps: the sentence saying so, for the stop message."""
 
     @property
     def applied(self) -> bool:
@@ -107,8 +121,9 @@ def json_number(value: float) -> float | str:
 
 
 class AnomalyGuard:
-    """Judges each step before its update: a normal step (None), or an Anomaly saying whether to apply, skip or
-    roll back; raises NonFiniteLossError (exit 3) to stop. Rank 0 logs and records every anomaly."""
+    """Judges each step: on the device before its update (skips_update), and on the host once its loss and norm are
+    read (inspect: a normal step, or an Anomaly saying whether the update applied, was skipped, or must be rolled
+    back or stop the run). Rank 0 logs and records every anomaly."""
 
     def __init__(self, training: Training, dump_folder: Path, rank: int, model: nn.Module, hints: list[str],
                  spike_losses: list[float], num_skipped: int) -> None:
@@ -131,14 +146,24 @@ class AnomalyGuard:
         """After a rollback: the window of the checkpoint's step (the skip count is kept)."""
         self.detector = SpikeDetector(self.training.spike_window, self.training.spike_threshold, losses)
 
+    def skips_update(self, loss: Tensor, grad_norm: Tensor) -> Tensor:
+        """Whether inspect() will find that this step's update must not apply (a non-finite loss or norm, or a
+        spike under --training.on_spike skip or rollback), as a 0-dim bool tensor on their device: no host read.
+        The loss is compared in float64, as the host compares its float against the limit."""
+        bound = self.detector.bound() if self.training.on_spike != "log" else None
+        limit = bound.limit if bound is not None else math.inf
+        applies = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss.double() <= limit)
+        return ~applies
+
     def inspect(self, step: int, loss: float, grad_norm: float, data_position: dict[str, Any]) -> Anomaly | None:
         """None for a normal step (its loss joins the spike window), else the step's Anomaly, whose `applied` says
-        whether its update goes ahead; raises NonFiniteLossError when the run must stop."""
+        whether its update went ahead and whose action "stop" means the run must end (stop_error)."""
         nonfinite = nonfinite_reason(loss, grad_norm)
         if nonfinite is not None:
             anomaly = Anomaly(step, loss, grad_norm, "nonfinite", "skip", nonfinite, data_position)
             if self.training.on_nonfinite == "stop":
-                self.stop(anomaly, skipped="")
+                anomaly.action = "stop"
+                return anomaly
             return self.count_skip(anomaly)
         spike = self.detector.check(loss)
         if spike is None:
@@ -155,16 +180,19 @@ class AnomalyGuard:
         """Allow one more skip or rollback, or stop when --training.max_skipped_steps are used up."""
         allowed = self.training.max_skipped_steps
         if self.num_skipped >= allowed:
-            self.stop(anomaly, skipped=f" {self.num_skipped} earlier steps were skipped or rolled back, the most "
-                                       f"--training.max_skipped_steps {allowed} allows.")
+            anomaly.action = "stop"
+            anomaly.skips_used_up = (f" {self.num_skipped} earlier steps were skipped or rolled back, the most "
+                                     f"--training.max_skipped_steps {allowed} allows.")
+            return anomaly
         self.num_skipped += 1
         return anomaly
 
-    def stop(self, anomaly: Anomaly, skipped: str) -> None:
-        anomaly.action = "stop"
+    def stop_error(self, anomaly: Anomaly) -> NonFiniteLossError:
+        """Record a stopping anomaly and return the error that ends the run (exit code 3). The model's gradients
+        must be the anomaly's step's: the message names the first non-finite one."""
         self.write(anomaly)
         last_finite = self.detector.losses[-1] if self.detector.losses else None
-        raise stop_error(anomaly.step, anomaly.what, last_finite, self.model, self.hints, skipped)
+        return stop_error(anomaly.step, anomaly.what, last_finite, self.model, self.hints, anomaly.skips_used_up)
 
     def record(self, anomaly: Anomaly) -> None:
         """Log the anomaly (a warning, on rank 0) and append it to anomalies.jsonl, once its action is final."""

@@ -5,7 +5,9 @@ with `--signal=USR1@120`), Kubernetes sends SIGTERM to a pod it evicts, and a us
 rank these only set a flag, and the rank finishes its step. At each step boundary every rank then agrees in one
 all-reduce (MAX over the world) of [signal, time limit, this rank's step time, minus this rank's step time]: if one
 rank got a signal, or would run out of --job.time_limit before another step and its save, every rank waits for a
-background save, saves the current step synchronously (unless it was just saved) and exits with code 4.
+background save, saves the current step synchronously (unless it was just saved) and exits with code 4. The
+all-reduce runs on a gloo group of host memory (titan/parallel/dims.py build_host_group), never on NCCL: reading a
+result from the GPU's stream would make the host wait for every kernel queued before it.
 Rerunning the same command resumes. The same all-reduce gives the fastest and slowest rank's step time for the
 metrics (stragglers), and the hang watchdog (titan/train/watchdog.py) follows the boundaries.
 
@@ -31,7 +33,7 @@ from titan.config.job import Checkpoint, Comm, Job
 from titan.exits import EXIT_STOPPED_EARLY, STOP_SIGNALS, KnownStop
 from titan.metrics.log import current_rank, logger
 from titan.metrics.sinks import format_duration
-from titan.parallel.dims import Meshes, set_collective_timeout
+from titan.parallel.dims import Meshes, build_host_group, set_collective_timeout
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN, Watchdog
 
 REPEAT_AFTER_SECONDS = 1.0
@@ -88,17 +90,19 @@ class Stopper:
     and the hang watchdog's deadlines. The trainer calls start_step and end_step around each step, then stop."""
 
     def __init__(self, job: Job, comm: Comm, checkpoint: Checkpoint, total_steps: int, dump_folder: Path,
-                 device: torch.device, world_size: int) -> None:
+                 world_size: int) -> None:
         self.started = time.monotonic()  # --job.time_limit counts from here, the trainer's construction
         self.time_limit_text = job.time_limit
         self.time_limit = parse_duration(job.time_limit) if job.time_limit is not None else None
         self.checkpoint = checkpoint
         self.checkpoint_root = dump_folder / checkpoint.folder
         self.total_steps = total_steps
-        self.device, self.world_size, self.rank = device, world_size, current_rank()
+        self.world_size, self.rank = world_size, current_rank()
         self.signals = SignalFlag(self.rank, self.plan)
-        self.watchdog = Watchdog(comm.train_timeout_seconds, dump_folder, self.rank, world_size)
+        traces_folder = dump_folder / comm.save_traces_folder if comm.trace_buf_size > 0 else None
+        self.watchdog = Watchdog(comm.train_timeout_seconds, dump_folder, self.rank, world_size, traces_folder)
         self.meshes: Meshes | None = None
+        self.host_group: dist.ProcessGroup | None = None
         self.step_in_progress: int | None = None
         self.step_started = self.step_ended = self.started
         self.saving = False
@@ -110,6 +114,7 @@ class Stopper:
     def watching(self, meshes: Meshes | None) -> Iterator[None]:
         """Around the training loop: the signal handlers, and the watchdog from the first step boundary on."""
         self.meshes = meshes
+        self.host_group = build_host_group()
         self.signals.install()
         try:
             yield
@@ -175,11 +180,11 @@ class Stopper:
         return float(self.signals.signum * self.world_size + self.rank + 1)
 
     def agree(self, values: list[float]) -> list[float]:
-        """The elementwise maximum of `values` over every rank: one all-reduce on the default group."""
-        if not dist.is_initialized():
+        """The elementwise maximum of `values` over every rank: one all-reduce of host memory on the host group."""
+        if self.host_group is None:
             return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.host_group)
         return tensor.tolist()
 
     def estimates(self, step_seconds: float) -> tuple[float, float]:

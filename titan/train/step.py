@@ -8,8 +8,7 @@ The trainer (titan/train/trainer.py) builds it and adds data, checkpoints and me
 
 import contextlib
 import functools
-import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -94,13 +93,12 @@ class TrainingStep:
         t = self.train_cfg
         return t.local_batch_size * t.seq_len * self.grad_accumulation_steps * self.dims.dp_degree
 
-    def compute_gradients(self, batches: Iterator[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        """Forward and backward over the step's accumulation micro-batches from `batches`, then clip: (the sum of
-        this rank's scaled micro-batch losses, the global gradient norm before clipping). Every micro-batch's summed
-        loss is divided by the valid targets of the whole step (all accumulation steps and data-parallel ranks),
-        counted before the first forward, so each target weighs the same wherever it is."""
-        micro_batches = [self.micro_batch(inputs, labels)
-                         for inputs, labels in itertools.islice(batches, self.grad_accumulation_steps)]
+    def compute_gradients(self, micro_batches: list[MicroBatch]) -> tuple[Tensor, Tensor]:
+        """Forward and backward over the step's accumulation micro-batches, then clip: (the sum of this rank's scaled
+        micro-batch losses, the global gradient norm before clipping), both on the device. Every micro-batch's
+        summed loss is divided by the valid targets of the whole step (all accumulation steps and data-parallel
+        ranks), counted before the first forward, so each target weighs the same wherever it is."""
+        self.optimizer.zero_grad()
         scale = self.num_loss_shares / self.global_valid_targets(micro_batches)
         loss_sum_local = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
@@ -122,9 +120,11 @@ class TrainingStep:
     def global_valid_targets(self, micro_batches: list[MicroBatch]) -> Tensor:
         """The valid targets of these micro-batches over every rank that holds loss shares (at least 1, so that a
         step without targets has loss 0), as a float tensor on every rank: one small all-reduce, no host read."""
-        holds_loss = self.model_parts.pipeline is None or self.model_parts.pipeline.holds_last_stage
-        local = sum(num_valid_targets(micro_batch.labels) for micro_batch in micro_batches) if holds_loss else 0
-        return self.global_sum(torch.as_tensor(local, dtype=torch.float32, device=self.device)).clamp(min=1)
+        local = torch.zeros((), device=self.device)  # made on the device: a host number would be a blocking copy
+        if self.model_parts.pipeline is None or self.model_parts.pipeline.holds_last_stage:
+            for micro_batch in micro_batches:
+                local += num_valid_targets(micro_batch.labels)
+        return self.global_sum(local).clamp(min=1)
 
     def forward_backward(self, micro_batch: MicroBatch, scale: Tensor) -> Tensor:
         """One micro-batch, forward and backward, of the loss sum times `scale`: that loss, detached (the sum over
@@ -163,12 +163,27 @@ class TrainingStep:
         (FSDP), so each scales its summed loss by this many over the step's valid targets."""
         return self.dims.dp_degree * self.dims.cp
 
-    def apply_update(self) -> None:
-        """The optimizer and LR-schedule step of the gradients just computed, and what converted layers need
-        after it."""
-        self.optimizer.step()
+    @property
+    def skips_on_device(self) -> bool:
+        """Whether the optimizer can skip an update on a device-side flag: fused Adam's kernels return early when
+        their `found_inf` is set (GradScaler's path), leaving weights, moments and step counts as they were."""
+        return bool(self.optimizer.defaults.get("fused"))
+
+    def apply_update(self, skip: Tensor | None) -> None:
+        """The optimizer step of the gradients just computed, unless `skip` (a 0-dim bool on the device; None:
+        never) is set, and what converted layers need after it. The LR schedule is the caller's: it steps once the
+        host knows the update applied."""
+        if skip is None:
+            self.optimizer.step()
+        elif self.skips_on_device:
+            self.optimizer.found_inf = skip.float()
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf  # Adam reads the attribute at every step() while it is set
+        elif not skip.item():  # foreach and for-loop Adam have no found_inf: the host waits for the flag
+            self.optimizer.step()
         self.model_parts.conversion.after_optimizer_step(self.model)
-        self.lr_scheduler.step()
 
     def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks

@@ -1,10 +1,12 @@
 """The training loop. __init__ reads as the pipeline: the shared build (titan/train/step.py: mesh through
-optimizer), then data, checkpoints and metrics; run() is the loop; train_step() is one step."""
+optimizer), then data, checkpoints and metrics; run() is the loop; train_step() queues one step and finishes the
+one before it (finish_step: the host's part, a step late, so that the host never waits for the device)."""
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -19,9 +21,12 @@ from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
 from titan.parallel.dims import build_device, data_parallel_rank, init_distributed, resolve_dims, set_collective_timeout
 from titan.train.anomalies import Anomaly, AnomalyGuard
+from titan.models.llama.batch import MicroBatch
 from titan.train.evaluate import EvalResult, evaluate
+from titan.train.garbage import ScheduledCollector
 from titan.train.nan_guard import stop_hints
 from titan.train.preemption import Stopper
+from titan.train.readback import Readback
 from titan.train.step import build_training_step
 
 
@@ -35,6 +40,43 @@ def write_config(cfg: JobConfig, dump_folder: Path) -> None:
         logger.info(f"Resolved config:\n{text}")
 
 
+@dataclass(frozen=True)
+class QueuedStep:
+    """A step whose forward, backward and clipping are queued on the device."""
+
+    step: int
+    micro_batches: list[MicroBatch]
+    data_position: dict[str, Any]
+    """Where the step's first batch started (the loader's position before the step drew its batches)."""
+    data_wait: float
+    """Seconds spent waiting for the step's batches."""
+    gradients: tuple[torch.Tensor, torch.Tensor]
+    """(this rank's scaled loss sum, the global gradient norm), on the device."""
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step whose update is queued too, and whose loss, norm and skip flag are on their way to the host."""
+
+    queued: QueuedStep
+    lr: float
+    """The learning rate of its update."""
+    tokens_by_source: dict[str, int] | None
+    """Tokens drawn from each source up to this step, taken when it is a step that logs."""
+    readback: Readback
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """A finished step as the host judged it."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    anomaly: Anomaly | None
+    rolled_back: bool
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, world_size: int) -> None:
         self.cfg = cfg
@@ -42,9 +84,8 @@ class Trainer:
         self.device = build_device()
         self.dims = resolve_dims(cfg.parallelism, world_size)
         self.dump_folder = Path(cfg.job.dump_folder)
-        self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder,
-                               self.device, world_size)
-        init_distributed(cfg.comm, self.device, world_size)
+        self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder, world_size)
+        init_distributed(cfg.comm, self.device, world_size, self.dump_folder)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
                                             self.tokenizer.bos_id)
@@ -66,14 +107,20 @@ class Trainer:
         self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, model_parts.model,
                                       stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
                                       resumed.spike_losses, resumed.num_skipped)
+        self.collector = ScheduledCollector(cfg.training.gc_freq)
         self.step = resumed.step
         self.tokens_seen = resumed.tokens_seen
         self.current_lr = cfg.optimizer.lr
+        self.pending: PendingStep | None = None
+        self.last_logged = self.step
 
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
         --checkpoint.interval (and at the last step). A signal or --job.time_limit stops every rank at a step
-        boundary (after saving: exit code 4), and a hang ends the run with code 5 (titan/train/preemption.py)."""
+        boundary (after saving: exit code 4), and a hang ends the run with code 5 (titan/train/preemption.py).
+
+        Steps overlap by one on the host: step N is queued before step N-1's loss is read, and a step whose state
+        is needed whole (a save, an evaluation, the last step, a stop) is finished before that happens."""
         if self.rank == 0:
             write_config(self.cfg, self.dump_folder)
         if self.cfg.checkpoint.create_seed_checkpoint:
@@ -84,27 +131,24 @@ class Trainer:
                     f"{self.cfg.training.seq_len} tokens per micro-batch; writing to {self.dump_folder}")
         data_iterator = iter(self.dataloader)
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
-        last_logged = self.step
         with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler, \
-                self.stopper.watching(self.training.meshes):
+                self.stopper.watching(self.training.meshes), self.collector:
             try:
                 while self.step < total:
                     self.step += 1
                     self.stopper.start_step(self.step)
-                    loss, grad_norm, anomaly = self.train_step(data_iterator)
-                    self.tokens_seen += self.training.global_tokens_per_step
-                    rolled_back = anomaly is not None and self.handle_anomaly(anomaly)
-                    saving = not rolled_back and self.checkpointer.should_save(self.step, total)
+                    self.train_step(data_iterator)
+                    saving = self.checkpointer.should_save(self.step, total)
+                    rolled_back = (saving or self.should_validate()) and self.finish_rolled_back()
+                    saving = saving and not rolled_back
                     stop = self.stopper.end_step(self.step, saving=saving)
-                    if rolled_back:
-                        last_logged = self.step  # the steps after the checkpoint's run again
-                    else:
-                        if self.should_log():
-                            self.log_metrics(loss, grad_norm, self.step - last_logged)
-                            last_logged = self.step
+                    if stop is not None:
+                        rolled_back = self.finish_rolled_back() or rolled_back
+                    if not rolled_back:
                         self.after_step(profiler, snapshotter)
                     if stop is not None:
                         self.stopper.stop(stop, self.checkpointer, self.train_state())
+                self.finish_step()
             finally:
                 self.dataloader.close()
                 self.checkpointer.close()
@@ -112,42 +156,93 @@ class Trainer:
                     sink.close()
         logger.info(f"Training finished after {self.step} steps.")
 
-    def train_step(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[float, float, Anomaly | None]:
-        """Forward and backward over the accumulation micro-batches, clip, judge the step (titan/train/anomalies.py)
-        and step unless it is skipped. Returns (loss, grad_norm, the step's anomaly or None)."""
-        training = self.training
-        training.optimizer.zero_grad()
+    def train_step(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult | None:
+        """Queue step self.step: forward and backward over its accumulation micro-batches and clipping, then, once
+        the previous step is finished, its update, which the device skips when the step's own judgement says so
+        (AnomalyGuard.skips_update). Finishing the previous step while this one runs is what keeps the host off the
+        device's critical path: its loss and norm were copied back asynchronously, and reading them now waits for
+        nothing still queued. Returns the previous step's result, or None when there was none pending.
+
+        If the previous step rolls training back, the batches drawn for this step train the checkpoint's next
+        step instead: the data after the spike, as if the rollback had come before they were drawn."""
+        queued = self.queue_gradients(data_iterator)
+        result = self.finish_step()
+        if result is not None and result.rolled_back:
+            self.step += 1
+            self.stopper.start_step(self.step)
+            queued = replace(queued, step=self.step, gradients=self.training.compute_gradients(queued.micro_batches))
+        self.queue_update(queued)
+        return result
+
+    def queue_gradients(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> QueuedStep:
+        """Draw this step's micro-batches and queue their forward and backward passes and the clipping."""
         data_position = self.dataloader.position()
-        waits: list[float] = []
+        start = time.perf_counter()
+        micro_batches = [self.training.micro_batch(*self.next_batch(data_iterator))
+                         for _ in range(self.training.grad_accumulation_steps)]
+        data_wait = time.perf_counter() - start
+        gradients = self.training.compute_gradients(micro_batches)
+        return QueuedStep(self.step, micro_batches, data_position, data_wait, gradients)
 
-        def batches() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            while True:
-                inputs, labels, waited = self.next_batch(data_iterator)
-                waits.append(waited)
-                yield inputs, labels
-
-        loss_sum, grad_norm = training.compute_gradients(batches())
-        data_wait = sum(waits)
-        # One device-to-host read per step for both values: each .item() would stall a GPU's launch queue.
-        loss_value, norm_value = torch.stack([training.global_mean(loss_sum), grad_norm.float()]).tolist()
+    def queue_update(self, queued: QueuedStep) -> None:
+        """Queue the step's update, skipped on the device if the step is judged to need it, and the copy of its
+        loss, gradient norm and skip flag to the host; the step is pending until finish_step reads them."""
+        training = self.training
+        loss_sum, grad_norm = queued.gradients
+        loss = training.global_mean(loss_sum).float()
+        skip = self.anomalies.skips_update(loss, grad_norm)
+        training.apply_update(skip)
         self.current_lr = training.optimizer.param_groups[0]["lr"]
-        anomaly = self.anomalies.inspect(self.step, loss_value, norm_value, data_position)
-        if anomaly is None or anomaly.applied:
-            training.apply_update()
-        else:
-            # No optimizer or LR-schedule step; nothing after this step (a save, a probe) sees the dropped gradients.
-            training.optimizer.zero_grad()
-        self.meter.add_step(training.global_tokens_per_step / self.dims.world_size, data_wait)
-        return loss_value, norm_value, anomaly
+        self.tokens_seen += training.global_tokens_per_step
+        tokens_by_source = self.dataloader.tokens_per_source() if self.should_log(queued.step) else None
+        self.pending = PendingStep(queued, self.current_lr, tokens_by_source,
+                                   Readback(torch.stack([loss, grad_norm.float(), skip.float()])))
+
+    def finish_step(self) -> StepResult | None:
+        """Read the pending step's loss and norm and do what the host does about them: judge the step (log,
+        record, roll back or stop), advance the LR schedule if its update applied, and log its metrics. None when
+        no step is pending."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        queued = pending.queued
+        loss, grad_norm, skipped = pending.readback.values()
+        anomaly = self.anomalies.inspect(queued.step, loss, grad_norm, queued.data_position)
+        applied = anomaly is None or anomaly.applied
+        assert applied != bool(skipped), f"step {queued.step}: the device and the host judged its update differently"
+        if applied:
+            self.training.lr_scheduler.step()
+        self.meter.add_step(self.training.global_tokens_per_step / self.dims.world_size, queued.data_wait)
+        rolled_back = False
+        if anomaly is not None:
+            if anomaly.action == "stop":
+                self.stop_diverged(queued, anomaly)
+            rolled_back = self.handle_anomaly(anomaly)
+        if rolled_back:
+            self.last_logged = self.step  # the steps after the checkpoint's run again
+        elif self.should_log(queued.step):
+            self.log_metrics(pending, loss, grad_norm)
+        return StepResult(queued.step, loss, grad_norm, anomaly, rolled_back)
+
+    def finish_rolled_back(self) -> bool:
+        """Finish the pending step, if any: whether it rolled training back."""
+        result = self.finish_step()
+        return result is not None and result.rolled_back
+
+    def stop_diverged(self, queued: QueuedStep, anomaly: Anomaly) -> NoReturn:
+        """End the run at the queued step (exit code 3). Its update never applied, so the weights are still the
+        ones its gradients came from: computing them again, in place of the next step's, lets the message name
+        the first non-finite one."""
+        self.step = queued.step
+        if anomaly.kind == "nonfinite":
+            self.training.compute_gradients(queued.micro_batches)
+        raise self.anomalies.stop_error(anomaly)
 
     def next_batch(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """(inputs, labels) on the device and the seconds spent waiting for them."""
-        start = time.perf_counter()
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) on the device, copied without waiting where the loader pins memory."""
         inputs, labels = next(data_iterator)
-        waited = time.perf_counter() - start
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True), waited
+        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
 
     def handle_anomaly(self, anomaly: Anomaly) -> bool:
         """Carry out a flagged step's --training.on_spike rollback (a skip when there is no checkpoint yet), then
@@ -171,26 +266,30 @@ class Trainer:
         self.anomalies.restore_window(restored.spike_losses)
         return True
 
-    def should_log(self) -> bool:
-        return self.step == 1 or self.step % self.cfg.metrics.log_freq == 0 or self.step == self.cfg.training.steps
+    def should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
 
-    def log_metrics(self, loss: float, grad_norm: float, steps_in_window: int) -> None:
-        record = {"step": self.step, "loss": loss, "grad_norm": grad_norm, "lr": self.current_lr}
-        record.update(self.meter.window(self.step, steps_in_window))
+    def log_metrics(self, pending: PendingStep, loss: float, grad_norm: float) -> None:
+        step = pending.queued.step
+        record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": pending.lr}
+        record.update(self.meter.window(step, step - self.last_logged))
         record.update(self.stopper.step_times)
-        tokens_by_source = self.dataloader.tokens_per_source()
-        record["tokens_by_source"] = tokens_by_source if len(tokens_by_source) > 1 else None
+        record["gc_pause_s"] = self.collector.take_pause_seconds()
+        tokens_by_source = pending.tokens_by_source
+        record["tokens_by_source"] = tokens_by_source if tokens_by_source and len(tokens_by_source) > 1 else None
         for sink in self.sinks:
             sink.write(record)
+        self.last_logged = step
 
     def after_step(self, profiler: Any, snapshotter: Any) -> None:
-        """Evaluate, profile and save as this step calls for."""
+        """Evaluate, profile, collect garbage and save as this step calls for."""
         if self.should_validate():
             self.validate()
         if profiler is not None:
             profiler.step()
         if snapshotter is not None:
             snapshotter.step(self.step)
+        self.collector.step(self.step)
         self.checkpointer.poll()
         total = self.cfg.training.steps
         if self.checkpointer.should_save(self.step, total):

@@ -4,7 +4,9 @@ Once the first step of this process is done (setup and that step are what --comm
 each rank's one watchdog thread holds a deadline: the limit after the last step boundary or step start. A step
 is one window; what runs between two steps (logging, a checkpoint save, an evaluation) is the next. When a
 deadline passes, the main thread is stuck (in a collective whose peer never came, a filesystem, a kernel), so the
-watchdog writes every thread's Python stack to <dump_folder>/hang/rank_<r>.txt, reads every rank's progress from
+watchdog writes every thread's Python stack to <dump_folder>/hang/rank_<r>.txt and the flight recorder's record of
+the collectives this rank ran and is waiting in (NCCL's and gloo's; --comm.trace_buf_size) to
+<dump_folder>/comm_traces/rank_<r> and gloo_rank_<r>, in torch's format, reads every rank's progress from
 the process group's store to name the slowest rank, waits briefly for the other ranks' stacks, and ends the
 process with os._exit (the main thread cannot be interrupted).
 
@@ -24,6 +26,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from titan.exits import EXIT_HUNG, announce_stop
@@ -93,9 +96,12 @@ def slowest_ranks(progress: dict[int, tuple[int, float]], world_size: int) -> st
 class Watchdog:
     """One thread per rank that ends the process with code 5 once no step starts or ends within `limit_seconds`."""
 
-    def __init__(self, limit_seconds: int, dump_folder: Path, rank: int, world_size: int) -> None:
+    def __init__(self, limit_seconds: int, dump_folder: Path, rank: int, world_size: int,
+                 traces_folder: Path | None) -> None:
+        """`traces_folder`: where the flight recorder's dumps go; None when it is off."""
         self.limit_seconds = limit_seconds
         self.stack_file = dump_folder / "hang" / f"rank_{rank}.txt"
+        self.traces_folder = traces_folder if world_size > 1 else None  # one process has no process group
         self.rank, self.world_size = rank, world_size
         self.deadline = math.inf
         self.window = ""
@@ -146,13 +152,18 @@ class Watchdog:
         """Write this rank's stacks, name the slowest rank, let the peers write theirs, exit with EXIT_HUNG."""
         window = self.window
         self.write_stacks(window)
+        traces = self.write_comm_traces()
         message = (f"Rank {self.rank}: the run made no progress for {self.limit_seconds}s {window} "
                    f"(--comm.train_timeout_seconds {self.limit_seconds}), so it is hung. ")
         if self.world_size > 1:
             message += self.peer_report() + " "
         others = "; the other ranks' are next to it" if self.world_size > 1 else ""
-        message += (f"Every thread's Python stack of this rank is in {self.stack_file}{others}. If steps, saves or "
-                    f"evaluations of this run legitimately take longer, raise --comm.train_timeout_seconds.")
+        message += f"Every thread's Python stack of this rank is in {self.stack_file}{others}. "
+        if traces:
+            message += (f"The collectives it ran and waits in are in {', '.join(map(str, traces))} (read them with "
+                        f"python -m torch.distributed.flight_recorder.fr_trace {self.traces_folder}). ")
+        message += ("If steps, saves or evaluations of this run legitimately take longer, raise "
+                    "--comm.train_timeout_seconds.")
         logger.error(message)
         if self.world_size > 1:
             self.wait_for_peer_stacks()
@@ -170,6 +181,22 @@ class Watchdog:
                        f"thread (the main thread is the one training):\n\n")
             file.flush()
             faulthandler.dump_traceback(file, all_threads=True)
+
+    def write_comm_traces(self) -> list[Path]:
+        """Dump each flight recorder this torch has (NCCL's on CUDA builds, with NCCL in use; gloo's), as torch
+        would on a collective's timeout. Returns the files written."""
+        if self.traces_folder is None:
+            return []
+        c10d = torch._C._distributed_c10d
+        dumps = [("gloo_rank_", c10d._dump_fr_trace)]
+        if dist.get_backend() == "nccl":
+            dumps.insert(0, ("rank_", c10d._dump_nccl_trace))
+        written = []
+        for prefix, dump in dumps:
+            path = self.traces_folder / f"{prefix}{self.rank}"
+            path.write_bytes(dump(includeCollectives=True, includeStackTraces=True, onlyActive=False))
+            written.append(path)
+        return written
 
     def peer_report(self) -> str:
         """Mark this rank's stacks written and name the slowest rank, or say why the store could not tell."""
