@@ -79,6 +79,9 @@ class TrainState:
     one would."""
     num_skipped: int = 0
     """Steps skipped or rolled back so far, counted against --training.max_skipped_steps."""
+    run_id: str = ""
+    """The run's id for experiment trackers (the W&B run), kept so that a resumed run continues the same one; empty
+    in checkpoints from before it was kept."""
 
 
 def step_folder(root: Path, step: int) -> Path:

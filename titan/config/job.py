@@ -225,6 +225,11 @@ class Metrics:
     """TensorBoard folder inside the dump folder."""
     disable_color_printing: bool = False
     """Print console metrics without ANSI colours (they are only used when stdout is a terminal)."""
+    enable_wandb: bool = False
+    """Also log metrics, evaluations and anomalies to Weights & Biases (the wandb extra: pip install -e ".[wandb]").
+    W&B's environment picks the project (WANDB_PROJECT, default titan), entity, run name (default: the dump
+    folder's), group and mode (WANDB_MODE=offline writes <dump_folder>/wandb for `wandb sync`); a resumed run
+    continues the same W&B run."""
 
 
 @dataclass

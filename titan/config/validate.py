@@ -8,6 +8,7 @@ ConfigError listing every problem, so a user fixes them in one go.
 import dataclasses
 import difflib
 import glob
+import importlib.util
 import math
 import os
 import re
@@ -230,6 +231,13 @@ def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
     if cfg.profiling.enable_memory_snapshot and not torch.cuda.is_available():
         return ("--profiling.enable_memory_snapshot records CUDA allocator history and needs a GPU; none is "
                 "visible. Drop the flag, or use --profiling.enable_profiling for CPU traces.")
+    return None
+
+
+def check_wandb_installed(cfg: JobConfig, world_size: int) -> str | None:
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
+        return ("--metrics.enable_wandb needs the wandb package, an optional extra: pip install -e \".[wandb]\" (or "
+                "pip install wandb). Or drop the flag; metrics.jsonl and --metrics.enable_tensorboard need nothing.")
     return None
 
 
@@ -561,8 +569,9 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 
 RULES: tuple[Rule, ...] = (
     check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
-    check_dataset_path, check_dump_folder, check_memory_snapshot, check_degree_product, check_pipeline_split_points,
-    check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support, check_context_parallel,
+    check_dataset_path, check_dump_folder, check_memory_snapshot, check_wandb_installed, check_degree_product,
+    check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support,
+    check_context_parallel,
     check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
     check_float8_hardware, check_mx_hardware, check_flex_attention_device, check_checkpoint, check_spike_rollback,
     check_time_limit, check_mixture, check_validation_dataset_path, check_validation_pipeline,

@@ -1,9 +1,11 @@
-"""Where a step's metric record goes: console, TensorBoard, JSONL. Sinks render; they compute nothing."""
+"""Where a step's metric record goes: console, TensorBoard, JSONL, Weights & Biases. Sinks render; they compute
+nothing."""
 
 import json
+import os
 import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from titan.config.job import Metrics
 from titan.metrics.log import logger
@@ -19,10 +21,33 @@ RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "m
                "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "gc_pause_s", "tokens_by_source")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
+# A skipped, rolled-back, stopping or logged-spike step's record is its line of anomalies.jsonl
+# (titan/train/anomalies.py Anomaly.record), written before that step's training record. The console (the guard
+# logs a warning) and metrics.jsonl (anomalies.jsonl has it) leave it out.
 
 
 def is_validation(record: Record) -> bool:
     return "val_loss" in record
+
+
+def is_anomaly(record: Record) -> bool:
+    return "action" in record
+
+
+def tagged_values(record: Record) -> dict[str, Any]:
+    """The record's values by tag, as TensorBoard and W&B show them: train/<key>, val/<key> for an evaluation,
+    anomaly/<key> for an anomaly; a dict of numbers (tokens_by_source) as one tag per entry. None values are left
+    out."""
+    if is_anomaly(record):
+        return {f"anomaly/{key}": value for key, value in record.items() if key != "step"}
+    prefix, strip = ("val", "val_") if is_validation(record) else ("train", "")
+    tagged: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            tagged.update({f"{prefix}/{key}/{name}": number for name, number in value.items()})
+        elif key != "step" and value is not None:
+            tagged[f"{prefix}/{key.removeprefix(strip)}"] = value
+    return tagged
 
 
 class Sink(Protocol):
@@ -42,6 +67,8 @@ class ConsoleSink:
         self.color = color
 
     def write(self, record: Record) -> None:
+        if is_anomaly(record):
+            return
         if is_validation(record):
             self.write_validation(record)
             return
@@ -95,6 +122,8 @@ class JsonlSink:
         self.file = path.open("a")
 
     def write(self, record: Record) -> None:
+        if is_anomaly(record):
+            return
         self.file.write(json.dumps({k: v for k, v in record.items() if v is not None}) + "\n")
         self.file.flush()
 
@@ -103,7 +132,8 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    """Scalars under `train/<key>` (`val/<key>` for an evaluation) at the record's step."""
+    """Scalars under `train/<key>` (`val/<key>` for an evaluation, `anomaly/<kind>` = the loss for an anomaly) at
+    the record's step."""
 
     def __init__(self, folder: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported here: tensorboard is slow to import
@@ -111,13 +141,11 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(folder))
 
     def write(self, record: Record) -> None:
-        validation = is_validation(record)
-        for key, value in record.items():
-            if isinstance(value, dict):
-                for name, number in value.items():
-                    self.writer.add_scalar(f"train/{key}/{name}", number, record["step"])
-            elif key != "step" and value is not None:
-                tag = f"val/{key.removeprefix('val_')}" if validation else f"train/{key}"
+        if is_anomaly(record):
+            loss = record["loss"]
+            self.writer.add_scalar(f"anomaly/{record['kind']}", float(loss), record["step"])
+        else:
+            for tag, value in tagged_values(record).items():
                 self.writer.add_scalar(tag, value, record["step"])
         self.writer.flush()
 
@@ -137,12 +165,56 @@ def format_duration(seconds: float | None) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
-def build_sinks(metrics: Metrics, dump_folder: Path, rank: int) -> list[Sink]:
-    """Console on every rank (the logger decides who prints); files from rank 0 only, so one run writes one copy.
-    Colour only on a terminal, so redirected logs stay free of escape codes."""
+class WandbSink:
+    """Every record at its training step in one Weights & Biases run, which a resumed job continues.
+
+    The run's project, entity, name and group come from W&B's own environment (WANDB_PROJECT, WANDB_ENTITY,
+    WANDB_NAME, WANDB_RUN_GROUP; the project defaults to "titan", the name to the dump folder's), and so does where
+    it goes: WANDB_MODE=offline keeps it in <dump_folder>/wandb for `wandb sync`. Its config is the job's.
+
+    `run_id` is kept with the checkpoints (TrainState.run_id), so a resumed job logs to the same run and one that
+    starts over gets a new one. W&B takes only growing steps, and a resumed job trains again the steps between its
+    checkpoint and the stop, which the run already holds with the same values (resumes are exact): the sink skips
+    every step up to the last one the run logged, kept in <dump_folder>/wandb/last_step_<run_id> (online, W&B's
+    own count of the run's steps too). A rollback's re-run steps are skipped alike: the run keeps their first
+    values."""
+
+    def __init__(self, config: dict[str, Any], dump_folder: Path, run_id: str) -> None:
+        import wandb  # an optional extra, imported only when asked for (validation checked that it is installed)
+
+        dump_folder.mkdir(parents=True, exist_ok=True)
+        self.last_step_file = dump_folder / "wandb" / f"last_step_{run_id}"
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "titan"),
+                              name=os.environ.get("WANDB_NAME", dump_folder.resolve().name), dir=str(dump_folder),
+                              id=run_id, resume="allow", config=config)
+        logged_here = int(self.last_step_file.read_text()) if self.last_step_file.exists() else 0
+        self.last_step = max(logged_here, self.run.step - 1)
+        self.step_open = False
+        """Whether this job has logged last_step itself, so that more records of that step join it."""
+
+    def write(self, record: Record) -> None:
+        step = int(record["step"])
+        if step < self.last_step or (step == self.last_step and not self.step_open):
+            return  # the run holds this step already
+        self.run.log(tagged_values(record), step=step)
+        if step > self.last_step:
+            self.last_step, self.step_open = step, True
+            self.last_step_file.parent.mkdir(parents=True, exist_ok=True)
+            self.last_step_file.write_text(str(step))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def build_sinks(metrics: Metrics, dump_folder: Path, rank: int, config: dict[str, Any], run_id: str) -> list[Sink]:
+    """Console on every rank (the logger decides who prints); files and W&B from rank 0 only, so one run writes one
+    copy. Colour only on a terminal, so redirected logs stay free of escape codes. `config` is the job's, for W&B;
+    `run_id` names the W&B run."""
     sinks: list[Sink] = [ConsoleSink(color=sys.stdout.isatty() and not metrics.disable_color_printing)]
     if rank == 0:
         sinks.append(JsonlSink(dump_folder / "metrics.jsonl"))
         if metrics.enable_tensorboard:
             sinks.append(TensorBoardSink(dump_folder / metrics.save_tb_folder))
+        if metrics.enable_wandb:
+            sinks.append(WandbSink(config, dump_folder, run_id))
     return sinks

@@ -2,7 +2,9 @@
 optimizer), then data, checkpoints and metrics; run() is the loop; train_step() queues one step and finishes the
 one before it (finish_step: the host's part, a step late, so that the host never waits for the device)."""
 
+import dataclasses
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,7 +105,9 @@ class Trainer:
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
 
         self.meter = ThroughputMeter(model_parts.flops_per_token, self.device, cfg.training.steps)
-        self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank)
+        # A run that starts over gets a new id; a resumed one keeps its checkpoint's (rank 0's, which is saved).
+        self.run_id = resumed.run_id or uuid.uuid4().hex[:12]
+        self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank, dataclasses.asdict(cfg), self.run_id)
         self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, model_parts.model,
                                       stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
                                       resumed.spike_losses, resumed.num_skipped)
@@ -236,7 +240,9 @@ class Trainer:
         self.step = queued.step
         if anomaly.kind == "nonfinite":
             self.training.compute_gradients(queued.micro_batches)
-        raise self.anomalies.stop_error(anomaly)
+        error = self.anomalies.stop_error(anomaly)
+        self.write_record(anomaly.record())
+        raise error
 
     def next_batch(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +255,7 @@ class Trainer:
         log and record the step. Returns whether training went back to a checkpoint's step."""
         rolled_back = anomaly.action == "rollback" and self.roll_back(anomaly)
         self.anomalies.record(anomaly)
+        self.write_record(anomaly.record())
         return rolled_back
 
     def roll_back(self, anomaly: Anomaly) -> bool:
@@ -277,9 +284,13 @@ class Trainer:
         record["gc_pause_s"] = self.collector.take_pause_seconds()
         tokens_by_source = pending.tokens_by_source
         record["tokens_by_source"] = tokens_by_source if tokens_by_source and len(tokens_by_source) > 1 else None
+        self.write_record(record)
+        self.last_logged = step
+
+    def write_record(self, record: dict[str, Any]) -> None:
+        """Hand a metrics, evaluation or anomaly record to every sink."""
         for sink in self.sinks:
             sink.write(record)
-        self.last_logged = step
 
     def after_step(self, profiler: Any, snapshotter: Any) -> None:
         """Evaluate, profile, collect garbage and save as this step calls for."""
@@ -303,8 +314,7 @@ class Trainer:
         """Evaluate and log val_loss at this step; the time is left out of the throughput window."""
         result = self.run_validation()
         self.meter.exclude(result.seconds)
-        for sink in self.sinks:
-            sink.write(result.record(self.step))
+        self.write_record(result.record(self.step))
 
     def run_validation(self) -> EvalResult:
         """The loss over the validation set, in eval mode, without gradients."""
@@ -322,4 +332,4 @@ class Trainer:
     def train_state(self) -> TrainState:
         return TrainState(step=self.step, tokens_seen=self.tokens_seen, dp_degree=self.dims.dp_degree,
                           world_size=self.dims.world_size, spike_losses=self.anomalies.window,
-                          num_skipped=self.anomalies.num_skipped)
+                          num_skipped=self.anomalies.num_skipped, run_id=self.run_id)
