@@ -240,6 +240,45 @@ def test_load_step_resumes_from_that_step_not_the_latest(tmp_path: Path, source_
     assert [step for step, _ in records] == [1, 2, 3, 4, 3, 4]
     assert records[4:] == records[2:4]
 
+def optimizer_state_by_fqn(trainer: Trainer) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(param): fqn for fqn, param in trainer.training.model.named_parameters()}
+    return {names[id(param)]: state for param, state in trainer.training.optimizer.state.items()}
+
+
+ONE_GROUP = ["--optimizer.decay_norm_and_bias", "--optimizer.decay_embeddings"]  # as before parameter groups
+GROUPED = ["--optimizer.lr_multipliers", "tok_embeddings=0.5"]
+
+
+@pytest.mark.parametrize("saved, loaded", [(ONE_GROUP, GROUPED), (GROUPED, ONE_GROUP)],
+                         ids=["one-group-to-grouped", "grouped-to-one-group"])
+def test_resume_across_parameter_groupings(tmp_path: Path, saved: list[str], loaded: list[str]) -> None:
+    """A checkpoint loads into another grouping of the parameters: each parameter's optimizer state as saved (the
+    same as a load with the saved grouping gives), while the groups' weight decay and learning rates are the new
+    config's, at the saved step of the schedule. Training then goes on."""
+    run = tmp_path / "run"
+    train(run, *SOURCE_FLAGS, *saved)
+    flags = [*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",
+             "--checkpoint.interval", "2", "--checkpoint.load_step", "4"]
+    same = Trainer(load_job_config([*flags, *saved], world_size=1), world_size=1)
+    other = Trainer(load_job_config([*flags, *loaded], world_size=1), world_size=1)
+    assert other.step == 4 and len(same.training.optimizer.param_groups) != len(other.training.optimizer.param_groups)
+    want, got = optimizer_state_by_fqn(same), optimizer_state_by_fqn(other)
+    assert want.keys() == got.keys()
+    for fqn in want:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[fqn][key], want[fqn][key]), (fqn, key)
+    factor = other.training.lr_scheduler.lr_lambdas[0](4)
+    names = {id(param): fqn for fqn, param in other.training.model.named_parameters()}
+    for group in other.training.optimizer.param_groups:
+        multiplier = 0.5 if loaded == GROUPED and "tok_embeddings" in names[id(group["params"][0])] else 1.0
+        assert group["lr"] == 2e-3 * multiplier * factor
+        for param in group["params"]:
+            undecayed = loaded == GROUPED and ("norm" in names[id(param)] or names[id(param)] == "tok_embeddings.weight")
+            assert group["weight_decay"] == (0.0 if undecayed else 0.1), names[id(param)]
+    other.run()
+    assert other.step == 6
+
+
 def test_model_shape_mismatch_names_parameters(tmp_path: Path, source_run: Path) -> None:
     run = copy_of(source_run, tmp_path / "run")
     result = run_train_here(*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",

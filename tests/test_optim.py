@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
 from titan.config.job import Optimizer
 from titan.train.optim import build_optimizer, kernel_for_device
 
@@ -41,3 +43,35 @@ def test_device_without_fused_kernel_falls_back_to_foreach() -> None:
     assert kernel_for_device("fused", "cpu") == "fused"
     assert kernel_for_device("fused", "meta") == "foreach"
     assert kernel_for_device("for-loop", "meta") == "for-loop"
+
+
+class Toy(nn.Module):
+    """An embedding, a norm and a biased output layer: one parameter of each kind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(8, 4)
+        self.norm = nn.RMSNorm(4)
+        self.output = nn.Linear(4, 8)
+
+
+def settings_by_fqn(model: nn.Module, cfg: Optimizer) -> dict[str, tuple[float, float]]:
+    """(weight decay, learning rate) of each parameter's group."""
+    names = {id(param): fqn for fqn, param in model.named_parameters()}
+    return {names[id(param)]: (group["weight_decay"], group["lr"])
+            for group in build_optimizer(model, cfg).param_groups for param in group["params"]}
+
+
+def test_groups_leave_norms_biases_and_embeddings_undecayed_and_scale_learning_rates() -> None:
+    model = Toy()
+    cfg = Optimizer(lr=1e-3, weight_decay=0.1, lr_multipliers=["tok_embeddings=0.5", "output=2"])
+    assert settings_by_fqn(model, cfg) == {"tok_embeddings.weight": (0.0, 5e-4), "norm.weight": (0.0, 1e-3),
+                                           "output.weight": (0.1, 2e-3), "output.bias": (0.0, 2e-3)}
+    everything = Optimizer(lr=1e-3, weight_decay=0.1, decay_norm_and_bias=True, decay_embeddings=True)
+    assert set(settings_by_fqn(model, everything).values()) == {(0.1, 1e-3)}
+
+
+def test_malformed_lr_multipliers_are_config_errors() -> None:
+    with pytest.raises(ConfigError) as error:
+        load_job_config(["--optimizer.lr_multipliers", "tok_embeddings", "output=-1", "norm=2"], world_size=1)
+    assert str(error.value).count("--optimizer.lr_multipliers") == 2 and "'norm=2'" not in str(error.value)

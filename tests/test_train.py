@@ -108,7 +108,8 @@ def test_adam_adds_weight_decay_to_the_gradient_adamw_decouples_it(tmp_path: Pat
     corrected), so Adam moves w by lr (g + wd w) / (|g + wd w| + eps), and AdamW by lr g / (|g| + eps) + lr wd w."""
     weight_decay = 0.5
     trainer = build_trainer(tmp_path, "--training.steps", "10", "--lr_scheduler.warmup_steps", "0", "--optimizer.lr",
-                            "1e-2", "--optimizer.name", name, "--optimizer.weight_decay", str(weight_decay))
+                            "1e-2", "--optimizer.name", name, "--optimizer.weight_decay", str(weight_decay),
+                            "--optimizer.decay_norm_and_bias", "--optimizer.decay_embeddings")
     before = {fqn: p.detach().clone() for fqn, p in trainer.training.model.named_parameters()}
     trainer.step += 1
     trainer.train_step(iter(trainer.dataloader))

@@ -84,6 +84,17 @@ class TrainState:
     in checkpoints from before it was kept."""
 
 
+def load_schedule_position(lr_scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any]) -> None:
+    """The saved schedule's position (its step count), but the config's base learning rates (--optimizer.lr times
+    each group's multiplier), which a checkpoint of another grouping or peak rate must not replace; each group's
+    learning rate is then set for that position, as the schedule's own step would."""
+    base_lrs = lr_scheduler.base_lrs
+    lrs = [base_lr * factor(saved["last_epoch"]) for base_lr, factor in zip(base_lrs, lr_scheduler.lr_lambdas)]
+    lr_scheduler.load_state_dict({**saved, "base_lrs": base_lrs, "_last_lr": lrs})
+    for group, lr in zip(lr_scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+
+
 def step_folder(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
@@ -378,18 +389,23 @@ class Checkpointer:
         train_state = self.start_state()
         parts = [part for part in (MODEL_KEY, "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
         state: dict[str, Any] = {MODEL_KEY: model_state} if MODEL_KEY in parts else {}
-        if "optimizer" in parts:
-            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        current_optimizer = get_optimizer_state_dict(self.model, self.optimizer) if "optimizer" in parts else None
+        if current_optimizer is not None:
+            # Only the per-parameter state (moments, step counts, by FQN) is read: the parameter groups and their
+            # hyperparameters are the config's, and a checkpoint grouped otherwise (another --optimizer.lr_multipliers,
+            # or from before parameter groups) has different ones.
+            state["optimizer"] = {"state": current_optimizer["state"]}
         for part in ("lr_scheduler", "train_state"):
             if part in parts:
                 state[part] = b""
         self.read(folder, state, fix)
         if MODEL_KEY in state:
             set_model_state_dict(self.model, state[MODEL_KEY])
-        if "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if current_optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, {"state": state["optimizer"]["state"],
+                                                                  "param_groups": current_optimizer["param_groups"]})
         if "lr_scheduler" in state:
-            self.lr_scheduler.load_state_dict(pickle.loads(state["lr_scheduler"]))
+            load_schedule_position(self.lr_scheduler, pickle.loads(state["lr_scheduler"]))
         if "train_state" in state:
             saved = TrainState(**pickle.loads(state["train_state"]))
             train_state = replace(saved, dp_degree=self.dp_degree, world_size=self.world_size)

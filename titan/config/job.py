@@ -100,7 +100,18 @@ class Optimizer:
     eps: PositiveFloat = 1e-8
     """Adam denominator epsilon."""
     weight_decay: NonNegativeFloat = 0.1
-    """Weight decay coefficient."""
+    """Weight decay coefficient, for the weight matrices (and for norms, biases and embeddings as the next two fields
+    say)."""
+    decay_norm_and_bias: bool = False
+    """Also decay norm weights and biases (every 1-D parameter). Off by default, as in OLMo's and nanoGPT's
+    pretraining recipes: decaying a norm's gain toward 0 only fights the scale the next layer needs."""
+    decay_embeddings: bool = False
+    """Also decay the token embedding. Off by default, as in OLMo's recipe: each row is updated only when its token
+    appears, so decay shrinks rare tokens' rows between their updates."""
+    lr_multipliers: list[str] = field(default_factory=list)
+    """Learning-rate multipliers by parameter FQN, as FQN_SUBSTRING=FACTOR (`--optimizer.lr_multipliers
+    tok_embeddings=0.5 output=2`): a parameter whose FQN contains the substring trains at FACTOR x the scheduled
+    learning rate (the first match counts). Empty: every parameter at the schedule's rate."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (one kernel updates every parameter; foreach on a device torch has no fused Adam
     kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time). Only fused skips a step's update

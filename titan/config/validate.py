@@ -21,6 +21,7 @@ from titan.config.domain import field_ranges, parse_duration
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
+from titan.config.multipliers import parse_lr_multiplier
 from titan.config.paths import resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 from titan.models.llama.model import linear_fqns
@@ -232,6 +233,17 @@ def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
         return ("--profiling.enable_memory_snapshot records CUDA allocator history and needs a GPU; none is "
                 "visible. Drop the flag, or use --profiling.enable_profiling for CPU traces.")
     return None
+
+
+def check_lr_multipliers(cfg: JobConfig, world_size: int) -> list[str]:
+    problems = []
+    for text in cfg.optimizer.lr_multipliers:
+        try:
+            parse_lr_multiplier(text)
+        except ValueError:
+            problems.append(f"--optimizer.lr_multipliers {text!r} is not FQN_SUBSTRING=FACTOR with a positive "
+                            f"FACTOR. Write e.g. tok_embeddings=0.5.")
+    return problems
 
 
 def check_wandb_installed(cfg: JobConfig, world_size: int) -> str | None:
@@ -569,13 +581,12 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 
 RULES: tuple[Rule, ...] = (
     check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
-    check_dataset_path, check_dump_folder, check_memory_snapshot, check_wandb_installed, check_degree_product,
-    check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_pipeline_schedule_support,
-    check_context_parallel,
-    check_tensor_parallel_shapes, check_async_tp, check_selective_ac_option, check_float8_all_gather,
-    check_float8_hardware, check_mx_hardware, check_flex_attention_device, check_checkpoint, check_spike_rollback,
-    check_time_limit, check_mixture, check_validation_dataset_path, check_validation_pipeline,
-    check_validation_seq_len,
+    check_dataset_path, check_dump_folder, check_memory_snapshot, check_lr_multipliers, check_wandb_installed,
+    check_degree_product, check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches,
+    check_pipeline_schedule_support, check_context_parallel, check_tensor_parallel_shapes, check_async_tp,
+    check_selective_ac_option, check_float8_all_gather, check_float8_hardware, check_mx_hardware,
+    check_flex_attention_device, check_checkpoint, check_spike_rollback, check_time_limit, check_mixture,
+    check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
 )
 
 

@@ -1,20 +1,24 @@
 """Optimizer construction from the [optimizer] section."""
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from titan.config.job import Optimizer
+from titan.config.multipliers import parse_lr_multiplier
 from titan.metrics.log import logger
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
-    """Adam or AdamW over every trainable parameter, with the kernel the config names."""
+    """Adam or AdamW over every trainable parameter in parameter groups (parameter_groups), with the kernel the
+    config names."""
     optimizer_class = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
-    params = [p for p in model.parameters() if p.requires_grad]
-    implementation = kernel_for_device(cfg.implementation, params[0].device.type)
+    groups = parameter_groups(model, cfg)
+    implementation = kernel_for_device(cfg.implementation, groups[0]["params"][0].device.type)
     return optimizer_class(
-        params,
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
@@ -22,6 +26,33 @@ def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
         foreach=implementation == "foreach",
         fused=implementation == "fused",
     )
+
+
+def parameter_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
+    """The trainable parameters grouped by weight decay and learning-rate multiplier, in the order of their first
+    parameter. Weight matrices decay; 1-D parameters (norms, biases) only with --optimizer.decay_norm_and_bias and
+    nn.Embedding weights only with --optimizer.decay_embeddings. Each group records its `lr_multiplier`, which the
+    LR schedule's base rate for the group includes. Logs one line per group."""
+    embeddings = {id(param) for module in model.modules() if isinstance(module, nn.Embedding)
+                  for param in module.parameters(recurse=False)}
+    multipliers = [parse_lr_multiplier(text) for text in cfg.lr_multipliers]
+    decays = {"matrices": True, "norms and biases": cfg.decay_norm_and_bias, "embeddings": cfg.decay_embeddings}
+    grouped: dict[tuple[float, float], list[tuple[str, str, nn.Parameter]]] = {}
+    for fqn, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        kind = "embeddings" if id(param) in embeddings else "norms and biases" if param.ndim < 2 else "matrices"
+        weight_decay = cfg.weight_decay if decays[kind] else 0.0
+        multiplier = next((factor for substring, factor in multipliers if substring in fqn), 1.0)
+        grouped.setdefault((weight_decay, multiplier), []).append((kind, fqn, param))
+    groups = []
+    for (weight_decay, multiplier), members in grouped.items():
+        groups.append({"params": [param for _, _, param in members], "weight_decay": weight_decay,
+                       "lr": cfg.lr * multiplier, "lr_multiplier": multiplier})
+        kinds = ", ".join(dict.fromkeys(kind for kind, _, _ in members))
+        logger.info(f"Optimizer group: {len(members)} parameters ({kinds}; first {members[0][1]}), weight decay "
+                    f"{weight_decay:g}, learning rate x{multiplier:g}")
+    return groups
 
 
 def kernel_for_device(implementation: str, device_type: str) -> str:

@@ -196,7 +196,8 @@ class Trainer:
         loss = training.global_mean(loss_sum).float()
         skip = self.anomalies.skips_update(loss, grad_norm)
         training.apply_update(skip)
-        self.current_lr = training.optimizer.param_groups[0]["lr"]
+        group = training.optimizer.param_groups[0]
+        self.current_lr = group["lr"] / group["lr_multiplier"]  # the schedule's rate, which groups scale
         self.tokens_seen += training.global_tokens_per_step
         tokens_by_source = self.dataloader.tokens_per_source() if self.should_log(queued.step) else None
         self.pending = PendingStep(queued, self.current_lr, tokens_by_source,
