@@ -28,6 +28,7 @@ Time training is blocked per checkpoint save, synchronous vs asynchronous (and p
 the time of one copy of the training state to host memory, the floor an async save can reach:
 
     python scripts/benchmark.py --checkpoint
+    python scripts/benchmark.py --checkpoint -- --checkpoint.folder s3://bucket/prefix   # object storage (AWS_*)
 
 Pipeline parallel over 2 CPU processes (gloo), each schedule with 2, 4 and 8 micro-batches of one sequence: the
 median step time, and the share of each step's pipelined forward-backward that each rank idles, next to the
@@ -98,6 +99,7 @@ from bench_data import per_rank_table  # noqa: E402
 from tests.reference.rope_ref import complex_rope  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
+from titan.config.paths import is_url  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
@@ -262,12 +264,16 @@ def checkpoint_table(argv: list[str], repeats: int) -> None:
     """For each async mode: median seconds the training loop is blocked by save(), and until the files are done."""
     modes = ["disabled", "async"] + (["async_with_pinned_mem"] if torch.cuda.is_available() else [])
     print(f"{'async_mode':<22} {'blocked ms':>11} {'written ms':>11} {'state MiB':>10} {'host copy ms':>13}")
+    remote = load_job_config(argv, world_size=1).checkpoint.folder
     for mode in modes:
         folder = Path("/tmp/titan_benchmark_checkpoint") / mode
         shutil.rmtree(folder, ignore_errors=True)
+        # each mode starts empty: a URL gets a new prefix per mode and run, so that nothing is resumed
+        target = (["--checkpoint.folder", f"{remote}/{mode}-{time.strftime('%Y%m%d-%H%M%S')}"]
+                  if is_url(remote) else [])
         trainer = Trainer(load_job_config([*argv, "--job.dump_folder", str(folder), "--checkpoint.enable",
-                                           "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2"],
-                                          world_size=1), world_size=1)
+                                           "--checkpoint.async_mode", mode, "--checkpoint.keep_latest_k", "2",
+                                           *target], world_size=1), world_size=1)
         data_iterator = iter(trainer.dataloader)
         blocked, written = [], []
         for _ in range(repeats):

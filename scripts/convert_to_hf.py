@@ -32,7 +32,8 @@ from titan.metrics.log import logger
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("step_folder", type=Path, help="Titan DCP step folder, e.g. <dump_folder>/checkpoint/step-20")
+    parser.add_argument("step_folder", help="Titan DCP step folder, e.g. <dump_folder>/checkpoint/step-20, or its URL "
+                                             "(s3://bucket/run/step-20)")
     parser.add_argument("output_folder", type=Path, help="new folder for the Hugging Face files")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
                         help="dtype of the exported weights (default: bfloat16, as Meta publishes Llama 3)")

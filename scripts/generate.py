@@ -31,7 +31,8 @@ from titan.models.llama.model import Transformer, precompute_rope_cache
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path, help="Titan DCP step folder, or a Hugging Face folder with --hf")
+    parser.add_argument("checkpoint", help="Titan DCP step folder (a path or an s3://, gs:// URL), or a local Hugging "
+                                           "Face folder with --hf")
     parser.add_argument("--hf", action="store_true", help="checkpoint is a Hugging Face LlamaForCausalLM folder")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, start from BOS)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="stop after this many tokens, or at EOS")
@@ -97,7 +98,7 @@ def main() -> None:
     args = build_model_args(model_cfg.flavor, tokenizer.vocab_size, model_cfg.vocab_size_multiple_of,
                             len(prompt_ids) + cli.max_new_tokens)
     if cli.hf:
-        state_dict = read_hf_weights(cli.checkpoint, args)
+        state_dict = read_hf_weights(Path(cli.checkpoint), args)
     else:
         state_dict = read_model_weights(cli.checkpoint)
         check_shapes({fqn: tensor.shape for fqn, tensor in state_dict.items()}, titan_shapes(args),

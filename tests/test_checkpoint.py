@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import read_model_weights
 from titan.config.check import load_job_config
 from titan.train.trainer import Trainer
-from train_script import ROOT, losses_by_step, run_train, run_train_here
+from train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
 
 STEPS = 20
 LOCAL_BATCH_SIZE = 4
@@ -51,11 +50,13 @@ def resume_from_step_10(straight: Path, resumed: Path) -> None:
 @pytest.mark.parametrize("nprocs, flags", [
     (1, []),
     (1, ["--checkpoint.async_mode", "async"]),
+    (1, ["--optimizer.state_dtype", "bfloat16"]),
     (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-], ids=["one-process", "one-process-async", "fsdp2"])
+], ids=["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2"])
 def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> None:
     """20 steps straight vs 10 + resume + 10: identical per-step losses, so weights, optimizer, schedule, data
-    order and RNG all came back (async: the background write saved step 10's state, not a later one)."""
+    order and RNG all came back (async: the background write saved step 10's state, not a later one; bfloat16
+    optimizer state: its moments, and the RNG its stochastic rounding draws from)."""
     straight = tmp_path / "straight"
     train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=nprocs)
     resumed = tmp_path / "resumed"
@@ -89,27 +90,6 @@ def test_resume_on_one_process_from_another_layout(tmp_path: Path, flags: list[s
                     ((straight, 10), (resumed, STEPS)))
     assert split.keys() == whole.keys()
     assert all(split[fqn].shape == whole[fqn].shape for fqn in whole)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL `pid` and every descendant, as a node failure would: torchrun starts its workers in their own
-    sessions, so killing the launcher's process group alone would leave the worker training."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    stack, tree = [pid], []
-    while stack:
-        tree.append(stack.pop())
-        stack.extend(children.get(tree[-1], []))
-    for member in reversed(tree):
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_killed_during_async_save_resumes_from_last_complete(tmp_path: Path) -> None:

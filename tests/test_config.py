@@ -127,6 +127,7 @@ def problems_for(*args: str, world_size: int = 1) -> list[str]:
 
 def test_debug_config_is_valid() -> None:
     assert problems_for() == []
+    assert problems_for("--training.enable_cpu_offload", world_size=2) == []
 
 
 @pytest.mark.parametrize("args, field", [
@@ -147,6 +148,8 @@ def test_debug_config_is_valid() -> None:
     (["--lr_scheduler.decay_ratio", "1.5"], "--lr_scheduler.decay_ratio"),
     (["--training.steps", "0"], "--training.steps"),
     (["--metrics.log_freq", "0"], "--metrics.log_freq"),
+    (["--training.enable_cpu_offload"], "--training.enable_cpu_offload moves FSDP's shards to host memory, but this "
+                                        "layout has no FSDP"),
 ])
 def test_each_cross_field_rule(args: list[str], field: str) -> None:
     problems = problems_for(*args)

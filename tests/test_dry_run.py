@@ -12,7 +12,8 @@ from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.dry_run import documented_world_size, dry_run_cli, main
 from titan.estimate.report import format_report
-from titan.estimate.simulate import run_dry_run
+from titan.estimate.simulate import DryRunResult, run_dry_run
+from titan.estimate.trace import OFFLOADED
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.models.llama.model import TransformerBlock
 
@@ -62,6 +63,27 @@ def test_report_counts_fsdp_traffic_and_memory() -> None:
     assert gathered == 2 * result.num_params + 2 * block_params * (LLAMA3_FLAVORS["1B"].n_layers - 1)
     report = format_report(result, cfg.estimate)
     assert "tokens/s per GPU" in report and "dp_shard" in report
+
+
+def test_memory_savers_are_accounted() -> None:
+    """FSDP=2 of the debug model: bfloat16 optimizer state holds half the bytes of float32 state; CPU offload takes
+    the sharded parameters, their gradients and the optimizer state off the GPU (a lower peak, nothing in those
+    categories) and reports them as host memory: at least the parameters and state a plain rank holds."""
+    config = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dry_run"]
+
+    def dry_run(*flags: str) -> DryRunResult:
+        return run_dry_run(load_job_config([*config, *flags], 2), 2, rank=0)
+
+    plain, bf16_state = dry_run().memory, dry_run("--optimizer.state_dtype", "bfloat16").memory
+    offloaded_run = dry_run("--training.enable_cpu_offload")
+    offloaded = offloaded_run.memory
+    assert bf16_state.by_category["optimizer state"] == pytest.approx(plain.by_category["optimizer state"] / 2,
+                                                                      rel=0.01)
+    assert plain.host == bf16_state.host == 0
+    assert all(offloaded.by_category[name] == 0 for name in OFFLOADED)
+    assert offloaded.total < plain.total
+    assert offloaded.host >= plain.by_category["parameters"] + plain.by_category["optimizer state"]
+    assert "host memory (CPU offload)" in format_report(offloaded_run, load_job_config(config, 2).estimate)
 
 
 def test_dry_run_keeps_attention_as_the_simulated_gpu_would() -> None:

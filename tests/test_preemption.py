@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from debug_training import DEBUG_TOML
-from titan.checkpoint.dcp import complete_steps
+from titan.checkpoint.storage import LocalSteps
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.domain import parse_duration
@@ -113,7 +113,7 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: P
     assert (f"Stopped at step 13: rank 0 received SIGTERM. Its checkpoint is {tmp_path}/checkpoint/step-13; rerun "
             f"the same command to resume.") in output
     assert "Traceback" not in output
-    assert complete_steps(tmp_path / "checkpoint") == [5, 10, 13]
+    assert LocalSteps(tmp_path / "checkpoint").complete_steps() == [5, 10, 13]
     num_stopped_records = len(metric_records(tmp_path))
     build_trainer(tmp_path, *flags).run()  # the same flags, in this process
     assert loss_steps_since(tmp_path, num_stopped_records) == list(range(14, STEPS + 1))
@@ -132,7 +132,7 @@ def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tm
     assert "[rank1] WARNING Rank 1 received SIGTERM: finishing step 13" in stopped.stdout
     for rank in (0, 1):
         assert f"[rank{rank}] ERROR Stopped at step 13: rank 1 received SIGTERM." in stopped.stdout
-    assert complete_steps(folder / "checkpoint") == [5, 10, 13]
+    assert LocalSteps(folder / "checkpoint").complete_steps() == [5, 10, 13]
     num_stopped_records = len(metric_records(folder))
     rerun = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after step 13, so it sends nothing
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
@@ -153,7 +153,7 @@ def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monke
     assert run_main(trainer.run) == 4
     message = titan_records[-1].getMessage()
     assert "--job.time_limit 1s leaves too little time for another step" in message, message
-    stopped = complete_steps(folder / "checkpoint")[-1]
+    stopped = LocalSteps(folder / "checkpoint").complete_steps()[-1]
     assert stopped <= 5 and message.startswith(f"Stopped at step {stopped}:")
     assert f"Its checkpoint is {folder}/checkpoint/step-{stopped}; rerun the same command to resume." in message
     num_stopped_records = len(metric_records(folder))

@@ -5,6 +5,7 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -77,3 +78,24 @@ def losses_by_step(folder: Path) -> dict[int, float]:
 def validation_records(folder: Path) -> list[dict]:
     """Every evaluation's record (val_loss, val_perplexity, val_tokens), in order."""
     return [record for record in metric_records(folder) if "val_loss" in record]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL `pid` and every descendant, as a node failure would: torchrun starts its workers in their own
+    sessions, so killing the launcher's process group alone would leave the worker training."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited while we looked
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    stack, tree = [pid], []
+    while stack:
+        tree.append(stack.pop())
+        stack.extend(children.get(tree[-1], []))
+    for member in reversed(tree):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

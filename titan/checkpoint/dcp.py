@@ -1,9 +1,10 @@
 """Save and resume training state with torch.distributed.checkpoint (DCP).
 
-Layout: <dump_folder>/<checkpoint.folder>/step-<N>/ holds one DCP checkpoint (.metadata plus one .distcp file per
-rank). A save writes into step-<N>.partial/ and rank 0 renames it to step-<N> once every rank's files and the
-metadata are written; a rename is atomic, so a folder named step-<N> is always complete. A run killed mid-save
-leaves only a .partial folder, which resume ignores (with a warning) and the next completed save deletes.
+Layout: <dump_folder>/<checkpoint.folder>/step-<N>/ (or <url>/step-<N>/ when --checkpoint.folder is an fsspec URL)
+holds one DCP checkpoint (.metadata plus one .distcp file per rank). Rank 0 publishes a step once every rank's files
+and the metadata are written: locally by renaming step-<N>.partial/, on object storage with a COMPLETE marker
+written last (titan/checkpoint/storage.py). A run killed mid-save leaves an unpublished folder, which resume ignores
+(with a warning) and the next completed save deletes.
 
 State (top-level keys of the DCP state dict):
   model         parameters by FQN, as sharded DTensors under FSDP/TP, so DCP reshards on load
@@ -14,14 +15,15 @@ State (top-level keys of the DCP state dict):
   rng           rank_<r>: each rank's torch (and CUDA) RNG state, pickled
 Weights-only checkpoints (seed checkpoints, --checkpoint.last_save_model_only exports) hold only `model`.
 With --checkpoint.last_save_in_hf the last step's folder is a Hugging Face folder instead (titan/checkpoint/hf_io.py),
-written into the same .partial folder and renamed the same way.
+written into the same .partial folder and renamed the same way (for a URL: assembled under
+<dump_folder>/checkpoint_staging, uploaded, then marked).
 """
 
 import pickle
-import re
-import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -42,17 +43,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan.checkpoint.hf_io import INDEX_FILE, load_hf, save_hf
+from titan.checkpoint.storage import build_reader, build_step_folders, describe_storage_error
 from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, Checkpoint
+from titan.config.paths import checkpoint_root, is_url
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
 
 # Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
-STEP_FOLDER = re.compile(r"^step-(\d+)$")
-PARTIAL_SUFFIX = ".partial"
 MODEL_KEY = "model"
 """Top-level key of the model's state dict: its tensors are `model.<fqn>` in a checkpoint's metadata."""
 DATA_KEY = "stream"
@@ -95,21 +96,6 @@ def load_schedule_position(lr_scheduler: torch.optim.lr_scheduler.LambdaLR, save
         group["lr"] = lr
 
 
-def step_folder(root: Path, step: int) -> Path:
-    return root / f"step-{step}"
-
-
-def complete_steps(root: Path) -> list[int]:
-    """Steps with a complete checkpoint in `root`, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name)))
-
-
-def partial_folders(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX)) if root.is_dir() else []
-
-
 def rng_state(device: torch.device) -> dict[str, Any]:
     state = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
@@ -130,32 +116,29 @@ INITIAL_LOAD_FIX = ("--checkpoint.initial_load_path must be a Titan checkpoint s
 EXPORT_FIX = "Pass a step folder written by Titan's checkpointer or scripts/convert_from_hf.py."
 
 
-def is_hf_export(folder: Path) -> bool:
-    """Whether a step folder is a --checkpoint.last_save_in_hf export rather than a DCP checkpoint."""
-    return (folder / INDEX_FILE).is_file()
-
-
-def read_metadata(folder: Path, fix: str) -> dict[str, Any]:
-    """DCP's key -> storage metadata of a checkpoint folder; a CheckpointError naming the folder, with `fix`, if
-    unreadable."""
+def read_metadata(folder: str, fix: str) -> dict[str, Any]:
+    """DCP's key -> storage metadata of a checkpoint folder (a path or URL); a CheckpointError naming the folder,
+    with `fix`, if unreadable."""
     try:
-        return FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        return build_reader(folder).read_metadata().state_dict_metadata
     except Exception as error:  # noqa: BLE001 - any failure to read means the same thing to the user
-        raise CheckpointError([f"Checkpoint {folder} has no readable metadata ({root_cause(error)}), so it is not "
-                               f"a complete checkpoint. {fix}"]) from error
+        raise CheckpointError([f"Checkpoint {folder} has no readable metadata ({root_cause(folder, error)}), so it is "
+                               f"not a complete checkpoint. {fix}"]) from error
 
 
-def root_cause(error: BaseException) -> str:
-    """'Type: message' of what went wrong; for DCP's CheckpointException, the first rank's original error
-    rather than every rank's traceback."""
+def root_cause(location: str, error: BaseException) -> str:
+    """'Type: message' of what went wrong at `location`; for DCP's CheckpointException, the first rank's original
+    error rather than every rank's traceback; for a URL, what the storage error most likely means."""
     failures = getattr(error, "failures", None)
     if failures:
         # DCP keeps each rank's failure as (exception, traceback summary).
         error = next(iter(failures.values()))[0]
+    if is_url(location):
+        return describe_storage_error(error)
     return f"{type(error).__name__}: {str(error)[:300]}"
 
 
-def check_model_shapes(folder: Path, metadata: dict[str, Any], model_state: dict[str, torch.Tensor],
+def check_model_shapes(folder: str, metadata: dict[str, Any], model_state: dict[str, torch.Tensor],
                        model_fqns: set[str]) -> None:
     """Raise a CheckpointError listing every parameter of this rank's `model_state` whose shape differs or that the
     checkpoint lacks, and every saved parameter that is not in the whole model (`model_fqns`: a pipeline rank holds
@@ -182,10 +165,12 @@ def save_model_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Non
     dcp.save({MODEL_KEY: dict(state_dict)}, checkpoint_id=str(folder), no_dist=True)
 
 
-def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The full model state dict (plain CPU tensors in their saved dtypes) of a step folder, read on one process
-    without a process group and without touching the optimizer state (scripts/convert_to_hf.py, generate.py)."""
-    if not folder.is_dir():
+def read_model_weights(step_folder: str | Path) -> dict[str, torch.Tensor]:
+    """The full model state dict (plain CPU tensors in their saved dtypes) of a step folder (a path or an fsspec URL),
+    read on one process without a process group and without touching the optimizer state (scripts/convert_to_hf.py,
+    generate.py)."""
+    folder = str(step_folder)
+    if not is_url(folder) and not Path(folder).is_dir():
         raise CheckpointError([f"Checkpoint folder {folder} does not exist. Pass a step folder such as "
                                f"<dump_folder>/checkpoint/step-20."])
     prefix = f"{MODEL_KEY}."
@@ -198,13 +183,13 @@ def read_model_weights(folder: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def read_into(state: dict[str, Any], folder: Path, no_dist: bool, fix: str) -> None:
+def read_into(state: dict[str, Any], folder: str, no_dist: bool, fix: str) -> None:
     """dcp.load into `state` in place; missing or corrupt files become a CheckpointError naming the folder."""
     try:
-        dcp.load(state, checkpoint_id=str(folder), no_dist=no_dist)
+        dcp.load(state, storage_reader=build_reader(folder), no_dist=no_dist)
     except (Exception, CheckpointException) as error:  # CheckpointException (per-rank failures) is a BaseException
-        raise CheckpointError([f"Checkpoint {folder} could not be read ({root_cause(error)}): its files are missing "
-                               f"or corrupt. {fix}"]) from error
+        raise CheckpointError([f"Checkpoint {folder} could not be read ({root_cause(folder, error)}): its files are "
+                               f"missing or corrupt. {fix}"]) from error
 
 
 class Checkpointer:
@@ -218,7 +203,8 @@ class Checkpointer:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.model_fqns = model_fqns
-        self.root = dump_folder / cfg.folder
+        self.root = checkpoint_root(cfg.folder, dump_folder)
+        self.steps = build_step_folders(self.root, export_staging=dump_folder / "checkpoint_staging")
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.device = device
         self.dp_degree = dp_degree
@@ -232,6 +218,21 @@ class Checkpointer:
         self.stager = (DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=True))
                        if cfg.enable and cfg.async_mode == "async_with_pinned_mem" else None)
+        if cfg.enable:
+            self.check_access()
+
+    def check_access(self) -> None:
+        """Fail before step 1 if this rank cannot write to --checkpoint.folder (object storage: credentials, bucket,
+        permissions)."""
+        try:
+            self.steps.check_access(self.rank)
+        except Exception as error:  # noqa: BLE001 - whatever the backend raises, the fix is the user's
+            raise CheckpointError([f"--checkpoint.folder {self.root} is not writable from rank {self.rank} "
+                                   f"({root_cause(self.root, error)})."]) from error
+
+    def location(self, step: int) -> str:
+        """Where the checkpoint of `step` is, once published."""
+        return self.steps.location(step)
 
     def start_state(self) -> TrainState:
         """Step 0 on this run's layout: no checkpoint, or weights only."""
@@ -267,30 +268,51 @@ class Checkpointer:
             return
         model_only = step == last_step and self.cfg.last_save_model_only
         state = self.export_state() if model_only else self.training_state(train_state)
-        partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
-        writer = FileSystemWriter(str(partial))
+        if self.rank == 0:
+            self.steps.clear(step)
+        writer = self.steps.writer(step)
         kind = "weights-only export" if model_only else "checkpoint"
         if blocking or self.cfg.async_mode == "disabled":
-            dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
+            with self.reporting_save_failure(step):
+                dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())
             self.finish(step)
-            logger.info(f"Saved {kind} of step {step} to {step_folder(self.root, step)}")
+            logger.info(f"Saved {kind} of step {step} to {self.location(step)}")
             return
         # Staging (the copy to host memory) happens inside async_save (the pinned stager is built with
         # use_async_staging=False), so training may change the parameters as soon as it returns.
         upload = dcp.async_save(state, storage_writer=writer, process_group=self.process_group,
                                 async_stager=self.stager, no_dist=not dist.is_initialized())
         self.pending = (step, upload)
-        logger.info(f"Saving {kind} of step {step} in the background to {step_folder(self.root, step)}")
+        logger.info(f"Saving {kind} of step {step} in the background to {self.location(step)}")
+
+    @contextmanager
+    def reporting_save_failure(self, step: int) -> Iterator[None]:
+        """Turn a failed write of `step` into a CheckpointError naming where it went and what is still there: nothing
+        was published, and older checkpoints are only deleted after a newer one is."""
+        try:
+            yield
+        except (Exception, CheckpointException) as error:  # CheckpointException (per-rank failures) is a BaseException
+            steps = self.steps.complete_steps()
+            kept = (f"the newest complete checkpoint, {self.location(steps[-1])}, is intact, and rerunning the same "
+                    f"command resumes from it" if steps else "no earlier checkpoint exists")
+            raise CheckpointError([f"Saving the checkpoint of step {step} to {self.location(step)} failed "
+                                   f"({root_cause(self.root, error)}). It was not published: {kept}."]) from error
 
     def save_hf(self, step: int) -> None:
         """Export the last step as a Hugging Face folder, every rank writing its own shards. Blocking: it is the last
-        save of the run, and the consolidation into output files runs on every rank."""
-        partial = self.root / f"step-{step}{PARTIAL_SUFFIX}"
-        save_hf(get_model_state_dict(self.model), partial, self.model.args, to_dtype(self.cfg.export_dtype),
+        save of the run, and the consolidation into output files runs on every rank. For a URL the folder is
+        assembled locally, then rank 0 uploads it; a failed upload leaves the local folder, named in the error."""
+        folder = self.steps.export_folder(step)
+        save_hf(get_model_state_dict(self.model), folder, self.model.args, to_dtype(self.cfg.export_dtype),
                 self.tokenizer)
-        self.finish(step)
+        if dist.is_initialized():
+            dist.barrier()  # every rank's output files are written before rank 0 publishes them
+        if self.rank == 0:
+            with self.reporting_save_failure(step):
+                self.steps.publish_export(step)
+            self.purge(keep_step=step)
         logger.info(f"Saved the last step {step} as a Hugging Face folder ({self.cfg.export_dtype}) in "
-                    f"{step_folder(self.root, step)}")
+                    f"{self.location(step)}")
 
     def poll(self) -> None:
         """Finish a background save whose files are all written (call once per step)."""
@@ -303,56 +325,60 @@ class Checkpointer:
             return
         step, future = self.pending
         self.pending = None
-        future.result()  # re-raises a failed write here, on the training thread
+        with self.reporting_save_failure(step):
+            future.result()  # re-raises a failed write here, on the training thread
         self.finish(step)
         logger.info(f"Checkpoint of step {step} complete")
 
     def finish(self, step: int) -> None:
-        """Rank 0 publishes the finished step folder with one atomic rename, then purges old checkpoints.
+        """Rank 0 publishes the finished step folder (an atomic rename, or the marker written last on object
+        storage), then purges old checkpoints.
 
         DCP writes the metadata only after every rank reported its files written, so once this rank's save
         returned, the folder is complete.
         """
         if self.rank != 0:
             return
-        final = step_folder(self.root, step)
-        if final.exists():
-            shutil.rmtree(final)  # an earlier run's checkpoint of the same step (after --checkpoint.load_step)
-        (self.root / f"step-{step}{PARTIAL_SUFFIX}").rename(final)
+        with self.reporting_save_failure(step):
+            self.steps.publish(step)
         self.purge(keep_step=step)
 
     def purge(self, keep_step: int) -> None:
-        """Delete partial folders of killed saves and all but the newest --checkpoint.keep_latest_k steps."""
-        for partial in partial_folders(self.root):
-            shutil.rmtree(partial, ignore_errors=True)
-        steps = complete_steps(self.root)
+        """Delete the folders of killed saves and all but the newest --checkpoint.keep_latest_k steps."""
+        for folder in self.steps.incomplete():
+            self.steps.delete(folder)
+        steps = self.steps.complete_steps()
         if self.cfg.keep_latest_k > 0:
             for step in steps[:-self.cfg.keep_latest_k]:
                 if step != keep_step:
-                    shutil.rmtree(step_folder(self.root, step), ignore_errors=True)
+                    self.steps.delete(self.location(step))
                     logger.info(f"Deleted checkpoint of step {step} (--checkpoint.keep_latest_k {self.cfg.keep_latest_k})")
 
     # ---- loading ----
 
-    def resume_folder(self) -> Path | None:
+    def resume_folder(self) -> str | None:
         """The step folder to resume from: --checkpoint.load_step, else the latest complete one, else None."""
-        for partial in partial_folders(self.root):
-            logger.warning(f"Ignoring incomplete checkpoint {partial} (a save that did not finish); it will be "
+        for folder in self.steps.incomplete():
+            logger.warning(f"Ignoring incomplete checkpoint {folder} (a save that did not finish); it will be "
                            f"deleted after the next save.")
-        steps = complete_steps(self.root)
+        steps = self.steps.complete_steps()
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
                 raise CheckpointError([f"--checkpoint.load_step {self.cfg.load_step} has no complete checkpoint in "
                                        f"{self.root} (complete steps: {steps or 'none'})."])
-            return step_folder(self.root, self.cfg.load_step)
-        return step_folder(self.root, steps[-1]) if steps else None
+            return self.location(self.cfg.load_step)
+        return self.location(steps[-1]) if steps else None
+
+    def is_hf_export(self, folder: str) -> bool:
+        """Whether a step folder is a --checkpoint.last_save_in_hf export rather than a DCP checkpoint."""
+        return self.steps.has_file(folder, INDEX_FILE)
 
     def load(self) -> TrainState:
         """Restore the latest checkpoint (or the initial weights); returns where training continues."""
         if not self.cfg.enable:
             return self.start_state()
         folder = self.resume_folder()
-        if folder is not None and is_hf_export(folder):
+        if folder is not None and self.is_hf_export(folder):
             self.load_hf_weights(folder)
             logger.warning(f"{folder} is a Hugging Face export (--checkpoint.last_save_in_hf): it holds weights only, "
                            f"so training starts again at step 0 from them.")
@@ -360,11 +386,11 @@ class Checkpointer:
         if folder is not None:
             return self.load_folder(folder, exclude=set(self.cfg.exclude_from_loading), fix=RESUME_FIX)
         if self.cfg.initial_load_path is not None:
-            return self.load_initial(Path(self.cfg.initial_load_path))
+            return self.load_initial(self.cfg.initial_load_path)
         logger.info(f"No checkpoint in {self.root}: training starts from step 0")
         return self.start_state()
 
-    def load_initial(self, path: Path) -> TrainState:
+    def load_initial(self, path: str) -> TrainState:
         if self.cfg.initial_load_in_hf:
             self.load_hf_weights(path)
             return self.start_state()
@@ -373,14 +399,18 @@ class Checkpointer:
             return self.start_state()
         return self.load_folder(path, exclude=set(), fix=INITIAL_LOAD_FIX)
 
-    def load_hf_weights(self, folder: Path) -> None:
-        """Load a Hugging Face folder into the (sharded) model: each rank reads only its own rows."""
+    def load_hf_weights(self, folder: str) -> None:
+        """Load a local Hugging Face folder into the (sharded) model: each rank reads only its own rows."""
+        if is_url(folder):
+            raise CheckpointError([f"{folder} is a Hugging Face folder on object storage, which Titan reads only from "
+                                   f"a local (or shared) filesystem: copy it there first (e.g. aws s3 cp --recursive "
+                                   f"or gcloud storage cp -r) and pass that folder."])
         state = get_model_state_dict(self.model)
-        load_hf(folder, state, self.model.args)
+        load_hf(Path(folder), state, self.model.args)
         set_model_state_dict(self.model, state)
         logger.info(f"Loaded Hugging Face weights from {folder}")
 
-    def load_folder(self, folder: Path, exclude: set[str], fix: str) -> TrainState:
+    def load_folder(self, folder: str, exclude: set[str], fix: str) -> TrainState:
         """Load every part of `folder` that it holds and `exclude` does not name; `fix` ends read errors."""
         metadata = read_metadata(folder, fix)
         saved_parts = {key.split(".", 1)[0] for key in metadata}
@@ -424,17 +454,17 @@ class Checkpointer:
         if dist.is_initialized():
             # Rank 0 renames the finished folder; every rank must see it before choosing what to load.
             dist.barrier()
-        steps = [step for step in complete_steps(self.root) if step < before_step]
+        steps = [step for step in self.steps.complete_steps() if step < before_step]
         if not steps:
             return None
-        folder = step_folder(self.root, steps[-1])
-        if is_hf_export(folder):
+        folder = self.location(steps[-1])
+        if self.is_hf_export(folder):
             return None  # a weights-only Hugging Face export: nothing to roll back to
         if "train_state" not in {key.split(".", 1)[0] for key in read_metadata(folder, RESUME_FIX)}:
             return None
         return self.load_folder(folder, exclude={"dataloader"}, fix=RESUME_FIX)
 
-    def load_data_and_rng(self, folder: Path, metadata: dict[str, Any], saved: TrainState, exclude: set[str],
+    def load_data_and_rng(self, folder: str, metadata: dict[str, Any], saved: TrainState, exclude: set[str],
                           fix: str) -> dict[str, Any]:
         """The data position is global, so it resumes on any layout; the RNG states are per rank, so they are
         restored only on the world size they were saved with (the model has no dropout: losses don't depend on
@@ -458,16 +488,17 @@ class Checkpointer:
             set_rng_state(pickle.loads(state["rng"][f"rank_{self.rank}"]), self.device)
         return state
 
-    def read(self, folder: Path, state: dict[str, Any], fix: str) -> None:
+    def read(self, folder: str, state: dict[str, Any], fix: str) -> None:
         read_into(state, folder, no_dist=not dist.is_initialized(), fix=fix)
 
     def save_seed(self) -> None:
         """Write the freshly initialised weights as step 0 (weights only)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        dcp.save({MODEL_KEY: get_model_state_dict(self.model)}, no_dist=not dist.is_initialized(),
-                 storage_writer=FileSystemWriter(str(self.root / f"step-0{PARTIAL_SUFFIX}")))
+        self.steps.clear(0)
+        with self.reporting_save_failure(0):
+            dcp.save({MODEL_KEY: get_model_state_dict(self.model)}, no_dist=not dist.is_initialized(),
+                     storage_writer=self.steps.writer(0))
         self.finish(0)
-        logger.info(f"Wrote the seed checkpoint {step_folder(self.root, 0)}")
+        logger.info(f"Wrote the seed checkpoint {self.location(0)}")
 
     def close(self) -> None:
         self.wait()

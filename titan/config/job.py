@@ -112,6 +112,11 @@ class Optimizer:
     """Learning-rate multipliers by parameter FQN, as FQN_SUBSTRING=FACTOR (`--optimizer.lr_multipliers
     tok_embeddings=0.5 output=2`): a parameter whose FQN contains the substring trains at FACTOR x the scheduled
     learning rate (the first match counts). Empty: every parameter at the schedule's rate."""
+    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of Adam's two moments. bfloat16 halves the optimizer state (4 bytes per parameter instead of 8): the
+    update runs in float32 and the moments are stored with stochastic rounding, so increments smaller than
+    bfloat16's spacing are kept on average (titan/train/bf16_state.py). Its own kernel: --optimizer.implementation
+    does not apply. Parameters and gradients keep their dtypes."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (one kernel updates every parameter; foreach on a device torch has no fused Adam
     kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time). Only fused skips a step's update
@@ -166,6 +171,11 @@ class Training:
     """Dtype of gradient reduction across data-parallel ranks."""
     compile: bool = False
     """torch.compile each transformer block and the loss."""
+    enable_cpu_offload: bool = False
+    """Keep FSDP's sharded parameters, their gradients and the optimizer state in host memory (torch's
+    CPUOffloadPolicy): each block's shard is copied to the GPU for its all-gather, gradients are copied back, and the
+    optimizer step runs on the CPU. Frees those bytes on the GPU at the cost of host-device traffic and a CPU
+    optimizer step every step. Needs FSDP (a data-parallel shard degree above 1)."""
     loss_chunk_size: NonNegativeInt = 1024
     """Tokens per chunk of the output layer and cross entropy: logits, their fp32 log-softmax and gradients exist
     for one chunk at a time, never for the whole micro-batch (the same loss; the output layer's forward runs once
@@ -367,7 +377,9 @@ class Checkpoint:
     """Save checkpoints every --checkpoint.interval steps and at the last step, and resume from the latest
     complete one in --checkpoint.folder when the run starts."""
     folder: str = "checkpoint"
-    """Folder for checkpoints, under --job.dump_folder; each step is a subfolder step-<N>."""
+    """Folder for checkpoints, under --job.dump_folder, or an fsspec URL used as given (s3://bucket/run,
+    gs://bucket/run; credentials and endpoint from the backend's environment, e.g. AWS_*); each step is a
+    subfolder step-<N>."""
     interval: Count = 500
     """Steps between checkpoints."""
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
@@ -380,7 +392,8 @@ class Checkpoint:
     """Step to resume from. -1: the latest complete checkpoint in --checkpoint.folder."""
     initial_load_path: str | None = None
     """Checkpoint to start from when --checkpoint.folder holds none yet (a step folder of another run, a seed
-    checkpoint, or with --checkpoint.initial_load_in_hf a Hugging Face safetensors folder)."""
+    checkpoint, either a path or an fsspec URL, or with --checkpoint.initial_load_in_hf a local Hugging Face
+    safetensors folder)."""
     initial_load_model_only: bool = True
     """From --checkpoint.initial_load_path load the weights only (a fresh optimizer, schedule and data order)."""
     initial_load_in_hf: bool = False
@@ -394,7 +407,8 @@ class Checkpoint:
     last_save_in_hf: bool = False
     """Write the checkpoint of the last step as a Hugging Face Llama folder instead (safetensors shards with their
     index, config.json and the tokenizer, in --checkpoint.export_dtype), straight from the sharded model: it loads
-    with transformers' LlamaForCausalLM.from_pretrained. Weights only, so a run cannot be extended from it."""
+    with transformers' LlamaForCausalLM.from_pretrained. Weights only, so a run cannot be extended from it. With
+    a URL --checkpoint.folder the folder is assembled under --job.dump_folder/checkpoint_staging, then uploaded."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights in a --checkpoint.last_save_model_only or --checkpoint.last_save_in_hf export."""
     create_seed_checkpoint: bool = False

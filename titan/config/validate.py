@@ -22,7 +22,7 @@ from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
 from titan.config.multipliers import parse_lr_multiplier
-from titan.config.paths import resolve_path
+from titan.config.paths import is_url, missing_backend, resolve_path
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 from titan.models.llama.model import linear_fqns
 from titan.config.stages import (
@@ -269,6 +269,20 @@ def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
             f"{par.context_parallel_degree} x --parallelism.tensor_parallel_degree {par.tensor_parallel_degree} "
             f"must multiply to the world size {world_size} (NGPU x nodes). Change the degrees, or leave "
             f"data_parallel_shard_degree at -1 to use the rest.")
+
+
+@needs_in_range("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.context_parallel_degree")
+def check_cpu_offload(cfg: JobConfig, world_size: int) -> str | None:
+    par = cfg.parallelism
+    if not cfg.training.enable_cpu_offload:
+        return None
+    if data_parallel_degree(cfg, world_size) * par.context_parallel_degree > 1:
+        return None
+    return (f"--training.enable_cpu_offload moves FSDP's shards to host memory, but this layout has no FSDP "
+            f"(data-parallel shard x replicate x context-parallel degree 1 on world size {world_size}). Add data "
+            f"parallelism (--parallelism.data_parallel_shard_degree above 1, on more GPUs), or drop the flag.")
 
 
 def check_pipeline_split_points(cfg: JobConfig, world_size: int) -> str | None:
@@ -537,6 +551,8 @@ def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
 def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     ckpt = cfg.checkpoint
     problems = []
+    urls = [(name, url) for name, url in (("folder", ckpt.folder), ("initial_load_path", ckpt.initial_load_path))
+            if url is not None and is_url(url)]
     unknown = [part for part in ckpt.exclude_from_loading if part not in CHECKPOINT_PARTS]
     if unknown:
         problems.append(f"--checkpoint.exclude_from_loading has unknown part(s) {', '.join(map(repr, unknown))}. "
@@ -553,9 +569,16 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     if ckpt.last_save_in_hf and not ckpt.enable:
         problems.append("--checkpoint.last_save_in_hf exports the last step's checkpoint, but --checkpoint.enable is "
                         "off, so no checkpoint is written. Add --checkpoint.enable.")
-    if ckpt.initial_load_path is not None and not os.path.isdir(ckpt.initial_load_path):
-        problems.append(f"--checkpoint.initial_load_path {ckpt.initial_load_path!r} is not a folder. Give a checkpoint "
-                        f"step folder (e.g. outputs/checkpoint/step-1000) or a Hugging Face model folder.")
+    problems += [f"--checkpoint.{name} {url!r}: {problem}" for name, url in urls if (problem := missing_backend(url))]
+    initial = ckpt.initial_load_path
+    if initial is not None and is_url(initial) and ckpt.initial_load_in_hf:
+        problems.append(f"--checkpoint.initial_load_path {initial!r} with --checkpoint.initial_load_in_hf: Hugging Face "
+                        f"folders are read from a local (or shared) filesystem only. Copy it there first (aws s3 cp "
+                        f"--recursive, gcloud storage cp -r) and pass that folder.")
+    if initial is not None and not is_url(initial) and not os.path.isdir(initial):
+        problems.append(f"--checkpoint.initial_load_path {initial!r} is not a folder. Give a checkpoint step folder "
+                        f"(e.g. outputs/checkpoint/step-1000, or s3://bucket/run/step-1000) or a Hugging Face model "
+                        f"folder.")
     return problems
 
 
@@ -582,6 +605,7 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 RULES: tuple[Rule, ...] = (
     check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
     check_dataset_path, check_dump_folder, check_memory_snapshot, check_lr_multipliers, check_wandb_installed,
+    check_cpu_offload,
     check_degree_product, check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches,
     check_pipeline_schedule_support, check_context_parallel, check_tensor_parallel_shapes, check_async_tp,
     check_selective_ac_option, check_float8_all_gather, check_float8_hardware, check_mx_hardware,

@@ -59,6 +59,8 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
         *(f"  {name:<28} {memory.by_category[name] / GIB:>8.2f}" for name in CATEGORIES),
         f"  {'total':<28} {memory.total / GIB:>8.2f}  of {gpu.hbm_bytes / GIB:.1f} GiB on an {gpu.name} "
         f"({100 * memory.total / gpu.hbm_bytes:.0f}%)",
+        *([f"  host memory (CPU offload)    {memory.host / GIB:>8.2f}  sharded parameters, their gradients and the "
+           f"optimizer state, per rank"] if memory.host else []),
         f"Collectives per step on this rank ({est.gpus_per_node} GPUs per node):",
         *collective_rows(result, est),
         f"Step time on {gpu.name} (a roofline estimate, not a measurement; it ranks layouts):",

@@ -24,7 +24,7 @@ from titan.config.stages import ideal_bubble_fraction
 from titan.data.tokenizer import build_tokenizer
 from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.roofline import Collective, OpCost
-from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
+from titan.estimate.trace import OFFLOADED, GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
 from titan.models.llama.args import LLAMA3_BOS_ID, LLAMA3_VOCAB_SIZE
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
@@ -159,7 +159,7 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
         rank=rank, world_size=d.world_size, layout=layout, stages=stages, num_params=model_parts.num_params,
         local_params=sum(local_numel(p) for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
-        memory=memory_peak(recorder), ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
+        memory=memory_peak(recorder, OFFLOADED if training.train_cfg.enable_cpu_offload else ()), ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
         micro_batches=training.grad_accumulation_steps, data=data)
 
 

@@ -28,6 +28,9 @@ functional_autograd = torch.ops._c10d_functional_autograd
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "activations and temporaries")
 """How memory at the peak is split, in precedence order: a storage gets the first category that claims it."""
+OFFLOADED = ("parameters", "gradients", "optimizer state")
+"""What FSDP's CPU offload (--training.enable_cpu_offload) keeps in host memory: the sharded parameters, their
+sharded gradients, and so the optimizer state. Gathered parameters are communication buffers and stay on the GPU."""
 
 # Collective op -> (kind, where its payload is): the payload conventions of roofline.Collective. Non-functional
 # c10d ops take (output, input, group, ...) or (tensors, group, ...); functional ones end with the group's name.
@@ -252,28 +255,42 @@ class StepRecorder(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MemoryPeak:
-    """Bytes live at the step's peak, in total and by category (CATEGORIES)."""
+    """Bytes live at the step's peak on the GPU, in total and by category (CATEGORIES), and the peak of what CPU
+    offload keeps in host memory instead (0 without it)."""
 
     total: int
     by_category: dict[str, int]
+    host: int = 0
 
 
-def memory_peak(recorder: StepRecorder) -> MemoryPeak:
-    """Replay the recorder's events to find the peak of live bytes and what was live then. Categories are settled
-    after the step (gradients are only known once they exist), so the split is exact at the peak too."""
+def memory_peak(recorder: StepRecorder, offloaded: tuple[str, ...] = ()) -> MemoryPeak:
+    """Replay the recorder's events to find the peak of live bytes on the GPU and what was live then; storages of
+    the `offloaded` categories are in host memory, with a peak of their own. Categories are settled after the step
+    (gradients are only known once they exist), so the split is exact at the peak too. (The dry run's one device
+    holds both: under offload, FSDP's copies between them are no-ops there, so the GPU's copy of one block's shard
+    on its way to the all-gather, and of a gradient shard on its way back, are not counted.)"""
+    on_host = [(storage_id, delta) for storage_id, delta in recorder.events
+               if recorder.labels.get(storage_id) in offloaded]
+    on_device = [(storage_id, delta) for storage_id, delta in recorder.events
+                 if recorder.labels.get(storage_id) not in offloaded]
+    live = live_at_peak(on_device)
+    by_category = dict.fromkeys(CATEGORIES, 0)
+    for storage_id, size in live.items():
+        by_category[recorder.labels.get(storage_id, "activations and temporaries")] += size
+    return MemoryPeak(total=sum(live.values()), by_category=by_category, host=sum(live_at_peak(on_host).values()))
+
+
+def live_at_peak(events: list[tuple[int, int]]) -> dict[int, int]:
+    """Bytes of each storage live the first time the replayed (storage, size change) events reach their peak."""
     total, peak = 0, 0
-    for _, delta in recorder.events:
+    for _, delta in events:
         total += delta
         peak = max(peak, total)
-    # Replay again up to the first moment the peak is reached: what was live then.
     live: dict[int, int] = {}
     total = 0
-    for storage_id, delta in recorder.events:
+    for storage_id, delta in events:
         live[storage_id] = live.get(storage_id, 0) + delta
         total += delta
         if total == peak:
             break
-    by_category = dict.fromkeys(CATEGORIES, 0)
-    for storage_id, size in live.items():
-        by_category[recorder.labels.get(storage_id, "activations and temporaries")] += size
-    return MemoryPeak(total=peak, by_category=by_category)
+    return live

@@ -75,14 +75,16 @@ def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
                         dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree)
 
 
-def init_distributed(comm: Comm, device: torch.device, world_size: int, dump_folder: Path) -> None:
+def init_distributed(comm: Comm, device: torch.device, world_size: int, dump_folder: Path,
+                     cpu_collectives: bool = False) -> None:
     """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, unless this process
     has joined it already (one that runs several jobs in turn, as the parity tests' harness does). The flight
-    recorder is turned on first: torch reads its settings when a group is created."""
+    recorder is turned on first: torch reads its settings when a group is created. `cpu_collectives` adds gloo for
+    host tensors next to nccl (CPU offload reduces the gradient norm over gradients in host memory)."""
     if world_size == 1 or dist.is_initialized():
         return
     enable_flight_recorder(comm, dump_folder)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = "gloo" if device.type != "cuda" else "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm.init_timeout_seconds),
                             device_id=device if device.type == "cuda" else None)
     logger.info(f"Joined a {backend} process group of {world_size} ranks (rank {dist.get_rank()}, "

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan.metrics.log import logger
 
@@ -18,17 +18,21 @@ def reshard_block_after_forward(policy: str, layer_index: int, num_layers: int) 
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               reshard_after_forward: str) -> None:
+               reshard_after_forward: str, cpu_offload: bool = False) -> None:
     """Shard every block of `model.layers`, then the root (embedding, final norm, output), over `mesh`:
     parameters all-gathered in param_dtype, gradients reduce-scattered in reduce_dtype. A 2-D mesh
-    (replicate, shard) gives HSDP."""
+    (replicate, shard) gives HSDP. `cpu_offload` keeps the shards, their gradients and so the optimizer state in
+    host memory (pinned where the mesh is on CUDA, for asynchronous copies)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     num_layers = len(model.layers)
     for index, block in enumerate(model.layers.values()):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy,
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
                     reshard_after_forward=reshard_block_after_forward(reshard_after_forward, index, num_layers))
     # The root's parameters are used last in forward and first in backward: no point resharding them.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward == "always")
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+                reshard_after_forward=reshard_after_forward == "always")
     kind = "HSDP" if mesh.ndim == 2 else "FSDP2"
     logger.info(f"Applied {kind} over {tuple(mesh.shape)} ranks to {num_layers} blocks and the root "
-                f"(params {param_dtype}, reduce {reduce_dtype}, reshard after forward: {reshard_after_forward})")
+                f"(params {param_dtype}, reduce {reduce_dtype}, reshard after forward: {reshard_after_forward}"
+                + (", shards, gradients and optimizer state in host memory)" if cpu_offload else ")"))

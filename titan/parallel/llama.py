@@ -45,6 +45,6 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
     if dims.dp_enabled:
         apply_fsdp(model, meshes.fsdp, param_dtype=to_dtype(train.mixed_precision_param),
                    reduce_dtype=to_dtype(train.mixed_precision_reduce),
-                   reshard_after_forward=par.fsdp_reshard_after_forward)
+                   reshard_after_forward=par.fsdp_reshard_after_forward, cpu_offload=train.enable_cpu_offload)
     else:
         logger.info("FSDP2: off (one data-parallel rank)")

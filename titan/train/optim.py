@@ -9,13 +9,18 @@ from torch.optim.optimizer import _get_fused_kernels_supported_devices
 from titan.config.job import Optimizer
 from titan.config.multipliers import parse_lr_multiplier
 from titan.metrics.log import logger
+from titan.train.bf16_state import BF16StateAdam
 
 
 def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
     """Adam or AdamW over every trainable parameter in parameter groups (parameter_groups), with the kernel the
-    config names."""
-    optimizer_class = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
+    config names, or with bfloat16 moments (BF16StateAdam) under --optimizer.state_dtype bfloat16."""
     groups = parameter_groups(model, cfg)
+    if cfg.state_dtype == "bfloat16":
+        logger.info("Optimizer state: Adam's moments in bfloat16 with stochastic rounding (--optimizer.state_dtype)")
+        return BF16StateAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, decoupled=cfg.name == "AdamW")
+    optimizer_class = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     implementation = kernel_for_device(cfg.implementation, groups[0]["params"][0].device.type)
     return optimizer_class(
         groups,

@@ -27,7 +27,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from titan.checkpoint.dcp import Checkpointer, TrainState, step_folder
+from titan.checkpoint.dcp import Checkpointer, TrainState
 from titan.config.domain import parse_duration
 from titan.config.job import Checkpoint, Comm, Job
 from titan.exits import EXIT_STOPPED_EARLY, STOP_SIGNALS, KnownStop
@@ -95,7 +95,6 @@ class Stopper:
         self.time_limit_text = job.time_limit
         self.time_limit = parse_duration(job.time_limit) if job.time_limit is not None else None
         self.checkpoint = checkpoint
-        self.checkpoint_root = dump_folder / checkpoint.folder
         self.total_steps = total_steps
         self.world_size, self.rank = world_size, current_rank()
         self.signals = SignalFlag(self.rank, self.plan)
@@ -216,4 +215,4 @@ class Stopper:
         resume = (f"rerun the same command without --checkpoint.load_step {load_step} to resume" if load_step >= 0
                   else "rerun the same command to resume")
         raise StoppedEarly(f"Stopped at step {step}: {reason}. Its checkpoint is "
-                           f"{step_folder(self.checkpoint_root, step)}; {resume}.")
+                           f"{checkpointer.location(step)}; {resume}.")

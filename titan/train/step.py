@@ -35,6 +35,7 @@ from titan.parallel.pp import Pipeline, build_pipeline, merge_stage_models
 from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
 from titan.parallel.tp import loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
+from titan.train.bf16_state import local
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
 
@@ -104,7 +105,9 @@ class TrainingStep:
         for micro_batch in micro_batches:
             loss_sum_local += self.forward_backward(micro_batch, scale)
         pp_mesh = self.meshes.pp if self.dims.pp_enabled else None
-        return loss_sum_local, clip_grad_norm_(self.model.parameters(), self.train_cfg.max_norm, pp_mesh)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.train_cfg.max_norm, pp_mesh)
+        # Under --training.enable_cpu_offload the gradients, and so their norm, are in host memory.
+        return loss_sum_local, grad_norm.to(self.device)
 
     def micro_batch(self, inputs: Tensor, labels: Tensor) -> MicroBatch:
         """A (bs, seq) batch of the loader as this rank's model reads it: document layout and masked targets under
@@ -163,11 +166,18 @@ class TrainingStep:
         (FSDP), so each scales its summed loss by this many over the step's valid targets."""
         return self.dims.dp_degree * self.dims.cp
 
+    @functools.cached_property
+    def update_device(self) -> torch.device:
+        """Where the optimizer updates the parameters (the host under CPU offload)."""
+        param = next(self.model.parameters())
+        return local(param).device
+
     @property
     def skips_on_device(self) -> bool:
         """Whether the optimizer can skip an update on a device-side flag: fused Adam's kernels return early when
-        their `found_inf` is set (GradScaler's path), leaving weights, moments and step counts as they were."""
-        return bool(self.optimizer.defaults.get("fused"))
+        their `found_inf` is set (GradScaler's path), leaving weights, moments and step counts as they were, and
+        BF16StateAdam scales its update by it."""
+        return bool(self.optimizer.defaults.get("fused")) or getattr(self.optimizer, "skips_on_found_inf", False)
 
     def apply_update(self, skip: Tensor | None) -> None:
         """The optimizer step of the gradients just computed, unless `skip` (a 0-dim bool on the device; None:
@@ -176,7 +186,8 @@ class TrainingStep:
         if skip is None:
             self.optimizer.step()
         elif self.skips_on_device:
-            self.optimizer.found_inf = skip.float()
+            # the update's device: the host under --training.enable_cpu_offload, which waits for the flag there
+            self.optimizer.found_inf = skip.float().to(self.update_device)
             try:
                 self.optimizer.step()
             finally:

@@ -87,7 +87,8 @@ class Trainer:
         self.dims = resolve_dims(cfg.parallelism, world_size)
         self.dump_folder = Path(cfg.job.dump_folder)
         self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder, world_size)
-        init_distributed(cfg.comm, self.device, world_size, self.dump_folder)
+        init_distributed(cfg.comm, self.device, world_size, self.dump_folder,
+                         cpu_collectives=cfg.training.enable_cpu_offload)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
                                             self.tokenizer.bos_id)

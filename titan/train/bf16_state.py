@@ -1,0 +1,142 @@
+"""Adam and AdamW with their moments stored in bfloat16 (--optimizer.state_dtype bfloat16): 4 bytes of optimizer
+state per parameter instead of 8, the parameters themselves staying float32.
+
+Each step reads a parameter's moments up to float32, runs torch's Adam(W) update there (the same formulas and order
+as torch.optim.AdamW's for-loop kernel), and writes the moments back with stochastic rounding: a value between two
+bfloat16 neighbours becomes the upper one with probability proportional to its distance from the lower one, so the
+stored moment is the exact one in expectation. With round-to-nearest, an increment under half of bfloat16's spacing
+(2^-9 of the value) is lost every time: with beta2 = 0.999 the second moment moves by 0.1% of itself per step and
+would stay frozen wherever gradients change slowly.
+
+The random bits are a hash of (element index in the shard, the parameter's step count, the parameter's index, which
+moment), computed on the device, not drawn from a generator: every rank that holds the same values (a parameter
+replicated over tensor-parallel ranks) rounds them identically, as a replicated parameter must stay identical; a
+resume continues the same bits from the step counts in the checkpoint; nothing is read on the host.
+
+The update of each parameter is one torch.compile'd function (one fused kernel instead of some twenty passes over
+the shard; dynamic shapes and learning rates, so it compiles a few times per process); the dry run's fake tensors
+take it uncompiled. Skipped updates (--training.on_nonfinite, --training.on_spike) are decided on the device, as for
+torch's fused Adam: while the trainer sets `found_inf`, a non-zero value leaves the parameters, moments and step
+counts as they were.
+"""
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.tensor import DTensor
+
+MASK_32 = 0xFFFFFFFF
+
+
+def hash_32(values: Tensor) -> Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds with the constant 0x45d9f3b) of int64 tensors holding
+    32-bit values; the products stay below 2^59, so int64 arithmetic never overflows."""
+    for _ in range(2):
+        values = (((values >> 16) ^ values) * 0x45D9F3B) & MASK_32
+    return (values >> 16) ^ values
+
+
+def rounding_keys(step: Tensor, param_index: int) -> Tensor:
+    """(2,) int64 on the step's device: one key per moment for the rounding bits of the step numbered `step`."""
+    moments = torch.arange(2, device=step.device, dtype=torch.int64)
+    return hash_32(hash_32(step.long() * 2 + moments) ^ ((param_index * 0x9E3779B9) & MASK_32))
+
+
+def rounding_bits(numel: int, key: Tensor) -> Tensor:
+    """16 uniform random bits per element of a flat shard, a function of (element, key) alone."""
+    return (hash_32(torch.arange(numel, device=key.device, dtype=torch.int64) ^ key) & 0xFFFF).int()
+
+
+def round_with(values: Tensor, random_bits: Tensor) -> Tensor:
+    """float32 -> bfloat16, away from zero where `random_bits` are below the 16 dropped bits: with probability
+    (the dropped bits) / 2^16 for uniform random bits."""
+    bits = values.view(torch.int32)
+    toward_zero = bits & -0x10000  # the upper 16 bits: sign, exponent and bfloat16's 7 mantissa bits
+    rounded = torch.where(random_bits < (bits & 0xFFFF), toward_zero + 0x10000, toward_zero)
+    return rounded.view(torch.float32).bfloat16()
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded (DTensor) parameter, gradient or state, sharing its storage."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def matching_layout(grad: Tensor, param: Tensor) -> Tensor:
+    """`grad` sharded as its parameter is. Under tensor parallel a gradient can come back in another layout than its
+    parameter's (Partial for the sequence-parallel norms): torch's Adam lets DTensor redistribute it inside its ops,
+    this optimizer works on local shards, so it redistributes first."""
+    if isinstance(grad, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, apply: Tensor,
+                keys: Tensor, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+                decoupled: bool) -> None:
+    """torch's single-tensor Adam(W) step on one flat shard, in place, each change scaled by `apply` (1 or 0); the
+    moments computed in float32 and stored stochastically rounded, with `keys` (rounding_keys), when they are
+    bfloat16."""
+    step.add_(apply)
+    if decoupled:
+        weights.mul_(1 - lr * weight_decay * apply)
+    else:
+        grad = grad.add(weights, alpha=weight_decay)
+    new_exp_avg = exp_avg.float().lerp(grad, (1 - beta1) * apply)
+    new_exp_avg_sq = exp_avg_sq.float().lerp(grad * grad, (1 - beta2) * apply)
+    # a skipped first step leaves the count at 0, whose bias corrections would divide by zero
+    counted = step.clamp(min=1)
+    step_size = lr * apply / (1 - beta1 ** counted)
+    denom = new_exp_avg_sq.sqrt() / (1 - beta2 ** counted).sqrt() + eps
+    weights.addcdiv_(new_exp_avg * step_size, denom, value=-1)
+    for moment, (state, value) in enumerate(((exp_avg, new_exp_avg), (exp_avg_sq, new_exp_avg_sq))):
+        if state.dtype == torch.bfloat16:
+            value = round_with(value, rounding_bits(value.numel(), keys[moment]))
+        state.copy_(value)
+
+
+compiled_adam_update = torch.compile(adam_update, dynamic=True, fullgraph=True)
+
+
+class BF16StateAdam(torch.optim.Optimizer):
+    """Adam (decoupled=False) or AdamW (decoupled=True) with bfloat16 moments and float32 step counts."""
+
+    skips_on_found_inf = True
+    """The trainer may set `found_inf` (a 0-dim float on the device) before step(): non-zero skips the update."""
+
+    def __init__(self, params: Iterable[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled: bool, state_dtype: torch.dtype = torch.bfloat16) -> None:
+        """`state_dtype` float32 stores the moments unrounded: the same update as torch's Adam(W), to test against."""
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.decoupled = decoupled
+        self.state_dtype = state_dtype
+
+    def state_of(self, param: Tensor) -> dict[str, Tensor]:
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
+            state["exp_avg"] = torch.zeros_like(param, dtype=self.state_dtype)
+            state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        found_inf = getattr(self, "found_inf", None)
+        params = [(group, param) for group in self.param_groups for param in group["params"]]
+        for param_index, (group, param) in enumerate(params):
+            if param.grad is None:
+                continue
+            state = self.state_of(param)
+            # 1 applies the update, 0 leaves everything as it was: a factor on the device, never read on the host
+            apply = torch.ones_like(state["step"]) if found_inf is None else (found_inf == 0).float()
+            # flat views of the (contiguous) shards: one compiled kernel for every shape and rank of tensor
+            weights, grad = local(param).view(-1), local(matching_layout(param.grad, param)).view(-1).float()
+            exp_avg, exp_avg_sq = local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1)
+            update = adam_update if is_fake(weights) else compiled_adam_update
+            # keyed by the step count the update will have: a skipped step's bits come again at the next one
+            keys = rounding_keys(state["step"] + apply, param_index)
+            update(weights, grad, exp_avg, exp_avg_sq, state["step"], apply, keys, lr=group["lr"],
+                   weight_decay=group["weight_decay"], beta1=group["betas"][0], beta2=group["betas"][1],
+                   eps=group["eps"], decoupled=self.decoupled)
