@@ -169,6 +169,11 @@ def test_bf16_state_is_bfloat16_and_close_to_float32() -> None:
     state = next(iter(optimizer.state.values()))
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
     assert state["step"].item() == 5
+    # torch's load_state_dict casts states to the parameters' dtype; a resume must keep them bfloat16, unchanged
+    saved = {key: value.clone() for key, value in state.items()}
+    optimizer.load_state_dict(optimizer.state_dict())
+    loaded = next(iter(optimizer.state.values()))
+    assert all(loaded[key].dtype == saved[key].dtype and torch.equal(loaded[key], saved[key]) for key in saved)
     for ours, reference in zip(got, want, strict=True):
         torch.testing.assert_close(ours, reference, rtol=0, atol=2e-3)  # 5 steps of 1e-2, moments off by <2^-8
 

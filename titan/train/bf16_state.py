@@ -74,7 +74,7 @@ def matching_layout(grad: Tensor, param: Tensor) -> Tensor:
 
 
 def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, apply: Tensor,
-                keys: Tensor, lr: float, weight_decay: float, beta1: float, beta2: float, eps: float,
+                keys: Tensor, lr: Tensor, weight_decay: Tensor, beta1: float, beta2: float, eps: float,
                 decoupled: bool) -> None:
     """torch's single-tensor Adam(W) step on one flat shard, in place, each change scaled by `apply` (1 or 0); the
     moments computed in float32 and stored stochastically rounded, with `keys` (rounding_keys), when they are
@@ -83,7 +83,7 @@ def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
     if decoupled:
         weights.mul_(1 - lr * weight_decay * apply)
     else:
-        grad = grad.add(weights, alpha=weight_decay)
+        grad = grad + weights * weight_decay
     new_exp_avg = exp_avg.float().lerp(grad, (1 - beta1) * apply)
     new_exp_avg_sq = exp_avg_sq.float().lerp(grad * grad, (1 - beta2) * apply)
     # a skipped first step leaves the count at 0, whose bias corrections would divide by zero
@@ -112,6 +112,16 @@ class BF16StateAdam(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
         self.state_dtype = state_dtype
+        self.register_load_state_dict_post_hook(BF16StateAdam.restore_state_dtype)
+
+    @staticmethod
+    def restore_state_dtype(optimizer: "BF16StateAdam") -> None:
+        """torch's Optimizer.load_state_dict casts every floating-point state to its parameter's dtype (float32):
+        back to the moments' dtype, exactly, as they were saved from it."""
+        for state in optimizer.state.values():
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in state:
+                    state[name] = state[name].to(optimizer.state_dtype)
 
     def state_of(self, param: Tensor) -> dict[str, Tensor]:
         state = self.state[param]
@@ -137,6 +147,9 @@ class BF16StateAdam(torch.optim.Optimizer):
             update = adam_update if is_fake(weights) else compiled_adam_update
             # keyed by the step count the update will have: a skipped step's bits come again at the next one
             keys = rounding_keys(state["step"] + apply, param_index)
-            update(weights, grad, exp_avg, exp_avg_sq, state["step"], apply, keys, lr=group["lr"],
-                   weight_decay=group["weight_decay"], beta1=group["betas"][0], beta2=group["betas"][1],
-                   eps=group["eps"], decoupled=self.decoupled)
+            # The rates as 0-dim device tensors (a fill kernel each, no copy from the host): as Python floats the
+            # compiled function would specialize on their first values, and which of its variants served a step
+            # would depend on the run's history, so a resumed run could round differently from the one it continues.
+            lr, weight_decay = (torch.full((), group[name], device=weights.device) for name in ("lr", "weight_decay"))
+            update(weights, grad, exp_avg, exp_avg_sq, state["step"], apply, keys, lr=lr, weight_decay=weight_decay,
+                   beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"], decoupled=self.decoupled)
