@@ -139,9 +139,13 @@ class RemoteSteps:
     def listing(self) -> list[str]:
         """The names under the root, fresh: fsspec caches listings, which other ranks' writes make stale."""
         self.fs.invalidate_cache()
-        if not self.fs.exists(self.path):
+        try:
+            entries = self.fs.ls(self.path, detail=False)
+        except FileNotFoundError:
+            # Nothing under the root: an object store has no empty folders, and another rank's access probe, the
+            # only object there before the first save, may be deleted between an exists() and an ls().
             return []
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(self.path, detail=False)]
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
 
     def complete_steps(self) -> list[int]:
         self.fs.invalidate_cache()
