@@ -159,7 +159,8 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
         rank=rank, world_size=d.world_size, layout=layout, stages=stages, num_params=model_parts.num_params,
         local_params=sum(local_numel(p) for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
-        memory=memory_peak(recorder, OFFLOADED if training.train_cfg.enable_cpu_offload else ()), ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
+        memory=memory_peak(recorder, OFFLOADED if training.train_cfg.enable_cpu_offload else ()),
+        ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
         micro_batches=training.grad_accumulation_steps, data=data)
 
 
