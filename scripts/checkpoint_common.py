@@ -1,25 +1,27 @@
 """Helpers shared by the checkpoint scripts (convert_to_hf.py, convert_from_hf.py, generate.py): reading the
-model's shape from Titan flags, and turning user mistakes into one message and exit code 2."""
+model's family and shape from Titan flags, and turning user mistakes into one message and exit code 2."""
 
 import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan.config.errors import ConfigError  # noqa: E402
-from titan.config.job import Model  # noqa: E402
+from titan.config.job import MoE, Model  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
+from titan.config.validate import check_flavor  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, build_model_args  # noqa: E402
+from titan.models.families import FAMILIES, BuildOptions  # noqa: E402
 
-TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file>, or "
-                    "-- --job.config_file <dump_folder>/config.toml to reuse the training run's config. "
-                    "Without them: the debug model and the shipped tokenizer.")
+TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file> (and "
+                    "--model.name qwen3 for a Qwen3), or -- --job.config_file <dump_folder>/config.toml to reuse the "
+                    "training run's config. Without them: the Llama debug model and the shipped tokenizer.")
 
 
 def parse_with_titan_flags(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
@@ -30,22 +32,34 @@ def parse_with_titan_flags(parser: argparse.ArgumentParser) -> tuple[argparse.Na
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
-def parse_model_flags(flags: list[str]) -> tuple[Model, Tokenizer]:
-    """The [model] section that Titan flags describe, and its tokenizer.
+def parse_model_flags(flags: list[str]) -> tuple[Model, MoE, Tokenizer]:
+    """The [model] and [moe] sections that Titan flags describe, and the tokenizer.
 
     The config is parsed but not validated: validation checks a training run (parallel degrees against the
-    world size, float8 hardware), and a 64-GPU job's config.toml must still convert on one CPU process.
+    world size, float8 hardware), and a 64-GPU job's config.toml must still convert on one CPU process. Only the
+    flavor is checked, against --model.name's family.
     """
-    model = parse_args(flags).model
-    return model, build_tokenizer(model.tokenizer_path)
+    cfg = parse_args(flags)
+    problem = check_flavor(cfg, world_size=1)
+    if problem is not None:
+        raise ConfigError(problem)
+    return cfg.model, cfg.moe, build_tokenizer(cfg.model.tokenizer_path)
 
 
-def parse_model_shape(flags: list[str]) -> tuple[Model, ModelArgs, Tokenizer]:
-    """The [model] section and the model's shape with the flavor's own context length: a converted checkpoint
-    describes the model (HF's max_position_embeddings), not one run's --training.seq_len."""
-    model, tokenizer = parse_model_flags(flags)
-    args = build_model_args(model.flavor, tokenizer.vocab_size, model.vocab_size_multiple_of,
-                            LLAMA3_FLAVORS[model.flavor].max_seq_len)
+def build_args(model: Model, moe: MoE, tokenizer: Tokenizer, max_seq_len: int) -> Any:
+    """The args of --model.name's --model.flavor with the tokenizer's vocab and a rotary table of max_seq_len. A
+    mixture of experts trained with --moe.load_balance_coeff (the default) checkpoints a routing bias per layer, so
+    the coefficient is part of the checkpoint's shape."""
+    options = BuildOptions(vocab_size=tokenizer.vocab_size, vocab_size_multiple_of=model.vocab_size_multiple_of,
+                           max_seq_len=max_seq_len, moe_load_balance_coeff=moe.load_balance_coeff)
+    return FAMILIES[model.name].build_args(model.flavor, options)
+
+
+def parse_model_shape(flags: list[str]) -> tuple[Model, Any, Tokenizer]:
+    """The [model] section, the model's args (its family's) with the flavor's own context length, and the tokenizer:
+    a converted checkpoint describes the model (HF's max_position_embeddings), not one run's --training.seq_len."""
+    model, moe, tokenizer = parse_model_flags(flags)
+    args = build_args(model, moe, tokenizer, FAMILIES[model.name].flavors[model.flavor].max_seq_len)
     return model, args, tokenizer
 
 

@@ -1,4 +1,5 @@
-"""Import a Hugging Face LlamaForCausalLM folder as a Titan weights-only DCP checkpoint.
+"""Import a Hugging Face folder (LlamaForCausalLM, or with --model.name qwen3 Qwen3ForCausalLM or
+Qwen3MoeForCausalLM) as a Titan weights-only DCP checkpoint.
 
     python scripts/convert_from_hf.py Llama-3.1-8B llama31_8b_dcp -- --model.flavor 8B \\
         --model.tokenizer_path Llama-3.1-8B/original/tokenizer.model
@@ -6,11 +7,11 @@
 
 Reads model.safetensors or the shards in model.safetensors.index.json through the same code as
 --checkpoint.initial_load_in_hf (titan/checkpoint/hf_io.py), on one process: checks config.json (when present) and
-every shard's header against the Titan flavor, undoes the rotate-half RoPE layout of q_proj/k_proj, pads the
-embedding and output to the padded vocab with zero rows, and saves {"model": state_dict} in float32 with
-torch.distributed.checkpoint.
-Everything after `--` is a Titan flag; only --model.flavor, --model.tokenizer_path and
---model.vocab_size_multiple_of matter.
+every shard's header against the Titan flavor, undoes the rotate-half RoPE layout of q_proj/k_proj (and Qwen3's
+q_norm/k_norm), stacks per-expert tensors, pads the embedding and output to the padded vocab with zero rows, and
+saves {"model": state_dict} in float32 with torch.distributed.checkpoint.
+Everything after `--` is a Titan flag; only --model.name, --model.flavor, --model.tokenizer_path,
+--model.vocab_size_multiple_of and --moe.load_balance_coeff matter.
 """
 
 import argparse

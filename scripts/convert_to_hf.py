@@ -1,4 +1,5 @@
-"""Export a Titan DCP checkpoint as a Hugging Face LlamaForCausalLM folder (safetensors + config.json).
+"""Export a Titan DCP checkpoint as a Hugging Face folder (safetensors + config.json): LlamaForCausalLM, or with
+--model.name qwen3 Qwen3ForCausalLM or Qwen3MoeForCausalLM.
 
     python scripts/convert_to_hf.py outputs/debug_model/checkpoint/step-100 hf_debug
     python scripts/convert_to_hf.py <dump_folder>/checkpoint/step-5000 hf_8b --dtype bfloat16 -- \\
@@ -6,9 +7,9 @@
 
 Reads only the model tensors of the step folder (a full checkpoint or a weights-only one) on one process and writes
 them through the same code as --checkpoint.last_save_in_hf (titan/checkpoint/hf_io.py): safetensors shards with their
-index, config.json and the tokenizer files. Everything after `--` is a Titan flag; only --model.flavor,
---model.tokenizer_path and --model.vocab_size_multiple_of matter. The folder loads with transformers'
-LlamaForCausalLM.from_pretrained(folder) and AutoTokenizer.from_pretrained(folder).
+index, config.json and the tokenizer files. Everything after `--` is a Titan flag; only --model.name,
+--model.flavor, --model.tokenizer_path, --model.vocab_size_multiple_of and --moe.load_balance_coeff matter. The
+folder loads with transformers' AutoModelForCausalLM.from_pretrained(folder) and AutoTokenizer.from_pretrained(folder).
 """
 
 import argparse

@@ -4,28 +4,31 @@
     python scripts/generate.py hf_debug --hf --prompt "import" --temperature 0 --max_new_tokens 40
     python scripts/generate.py <step_folder> --prompt "The" -- --job.config_file <dump_folder>/config.toml
 
-Everything after `--` is a Titan flag; --model.flavor, --model.tokenizer_path and --model.vocab_size_multiple_of
-must be the checkpoint's. Runs on the GPU if there is one, else on the CPU. Each new token reruns the whole
-sequence (the model has no KV cache), which is fine for the short samples this is for.
+Everything after `--` is a Titan flag; --model.name, --model.flavor, --model.tokenizer_path,
+--model.vocab_size_multiple_of and, for a mixture of experts, --moe.load_balance_coeff must be the checkpoint's.
+Runs on the GPU if there is one, else on the CPU. Each new token reruns the whole sequence (the model has no KV
+cache), which is fine for the short samples this is for.
 """
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 from checkpoint_common import (
     TITAN_FLAGS_HELP,
+    build_args,
     parse_model_flags,
     parse_with_titan_flags,
     run_script,
 )
-from torch import Tensor
+from torch import Tensor, nn
 
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import check_shapes, titan_shapes
 from titan.checkpoint.hf_io import read_hf_weights
-from titan.models.llama.args import ModelArgs, build_model_args
-from titan.models.llama.model import Transformer, precompute_rope_cache
+from titan.models.families import FAMILIES, ModelFamily
+from titan.models.llama.model import precompute_rope_cache
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
@@ -33,7 +36,8 @@ def parse_cli() -> tuple[argparse.Namespace, list[str]]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="Titan DCP step folder (a path or an s3://, gs:// URL), or a local Hugging "
                                            "Face folder with --hf")
-    parser.add_argument("--hf", action="store_true", help="checkpoint is a Hugging Face LlamaForCausalLM folder")
+    parser.add_argument("--hf", action="store_true", help="checkpoint is a Hugging Face folder (LlamaForCausalLM, "
+                                                          "or with --model.name qwen3 Qwen3(Moe)ForCausalLM)")
     parser.add_argument("--prompt", default="", help="text to continue (default: none, start from BOS)")
     parser.add_argument("--max_new_tokens", type=int, default=64, help="stop after this many tokens, or at EOS")
     parser.add_argument("--temperature", type=float, default=0.8,
@@ -51,12 +55,12 @@ def parse_cli() -> tuple[argparse.Namespace, list[str]]:
     return cli, titan_flags
 
 
-def build_model(args: ModelArgs, state_dict: dict[str, Tensor], device: torch.device) -> Transformer:
+def build_model(family: ModelFamily, args: Any, state_dict: dict[str, Tensor], device: torch.device) -> nn.Module:
     """Build on meta and adopt the checkpoint's tensors (in float32) as the parameters: initialising weights
     only to overwrite them would cost minutes on a CPU for an 8B model. Checkpoints don't hold the rotary
     table (a non-persistent buffer), so it is built here, as init_weights builds it."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.model(args)
     model.load_state_dict({fqn: tensor.to(device, torch.float32) for fqn, tensor in state_dict.items()}, assign=True)
     with torch.device(device):
         model.rope.cache = precompute_rope_cache(args)
@@ -75,7 +79,7 @@ def sample_next(logits: Tensor, temperature: float, top_k: int | None, generator
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, temperature: float,
+def generate(model: nn.Module, prompt_ids: list[int], max_new_tokens: int, temperature: float,
              top_k: int | None, eos_id: int, generator: torch.Generator) -> list[int]:
     """The ids sampled after prompt_ids, stopping after max_new_tokens or at EOS (which is not returned)."""
     tokens = torch.tensor([prompt_ids], device=generator.device)  # (1, seq)
@@ -92,21 +96,20 @@ def generate(model: Transformer, prompt_ids: list[int], max_new_tokens: int, tem
 def main() -> None:
     cli, titan_flags = parse_cli()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model_cfg, tokenizer = parse_model_flags(titan_flags)
+    model_cfg, moe_cfg, tokenizer = parse_model_flags(titan_flags)
     prompt_ids = tokenizer.encode(cli.prompt, bos=True, eos=False)
     # The rotary table only needs to reach the last position sampled; a position's angles don't depend on its length.
-    args = build_model_args(model_cfg.flavor, tokenizer.vocab_size, model_cfg.vocab_size_multiple_of,
-                            len(prompt_ids) + cli.max_new_tokens)
+    args = build_args(model_cfg, moe_cfg, tokenizer, len(prompt_ids) + cli.max_new_tokens)
     if cli.hf:
         state_dict = read_hf_weights(Path(cli.checkpoint), args)
     else:
         state_dict = read_model_weights(cli.checkpoint)
         check_shapes({fqn: tensor.shape for fqn, tensor in state_dict.items()}, titan_shapes(args),
                      f"Checkpoint {cli.checkpoint}")
-    model = build_model(args, state_dict, device)
+    model = build_model(FAMILIES[model_cfg.name], args, state_dict, device)
     generator = torch.Generator(device=device).manual_seed(cli.seed)
     new_ids = generate(model, prompt_ids, cli.max_new_tokens, cli.temperature, cli.top_k, tokenizer.eos_id, generator)
-    print(tokenizer.decode(prompt_ids[1:] + new_ids))
+    print(tokenizer.decode(prompt_ids[1 if tokenizer.bos_id is not None else 0:] + new_ids))  # without the BOS
 
 
 if __name__ == "__main__":

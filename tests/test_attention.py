@@ -9,9 +9,9 @@ from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.models.llama.attention import build_block_mask, build_dense_mask, document_layout
 from titan.models.llama.loss import IGNORE_INDEX, mask_cross_document_targets
 
-VOCAB, BOS = 2256, 2255
+VOCAB, EOS = 2256, 2255
 SEQ = 24
-# Where documents start (a BOS) in each packed row of SEQ tokens, and what the row shows.
+# Where documents start (right after an EOS) in each packed row of SEQ tokens, and what the row shows.
 LAYOUTS = {
     "one document": [0],
     "two documents": [0, 9],
@@ -34,27 +34,28 @@ def build(backend: str) -> Transformer:
 
 def packed_row(starts: list[int]) -> torch.Tensor:
     torch.manual_seed(len(starts))
-    tokens = torch.randint(0, BOS, (1, SEQ))
-    tokens[0, starts] = BOS
+    tokens = torch.randint(0, EOS, (1, SEQ))
+    tokens[0, [start - 1 for start in starts if start > 0]] = EOS
     return tokens
 
 
 def documents(starts: list[int]) -> list[slice]:
-    """The row's documents as slices: a document starts at each BOS and at the row's first token."""
+    """The row's documents as slices: a document starts after each EOS and at the row's first token."""
     bounds = sorted({0, *starts, SEQ})
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def test_layout_restarts_positions_at_every_bos() -> None:
+def test_layout_restarts_positions_after_every_eos() -> None:
     tokens = packed_row(LAYOUTS["documents cut by both ends"])
-    positions, document_ids = document_layout(tokens, BOS)
+    positions, document_ids = document_layout(tokens, EOS)
     assert positions[0].tolist() == [*range(7), *range(8), *range(9)]
     assert document_ids[0].tolist() == [0] * 7 + [1] * 8 + [2] * 9
 
 
-def test_next_document_bos_is_no_target() -> None:
-    labels = torch.tensor([[5, BOS, 7, BOS]])
-    assert mask_cross_document_targets(labels, BOS).tolist() == [[5, IGNORE_INDEX, 7, IGNORE_INDEX]]
+def test_next_document_start_is_no_target_but_the_eos_is() -> None:
+    inputs = torch.tensor([[4, EOS, 6, EOS]])
+    labels = torch.tensor([[EOS, 6, EOS, 8]])
+    assert mask_cross_document_targets(inputs, labels, EOS).tolist() == [[EOS, IGNORE_INDEX, EOS, IGNORE_INDEX]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -66,7 +67,7 @@ def test_block_causal_equals_each_document_alone(layout: str) -> None:
     weights = torch.randn(1, SEQ, model.output.out_features)  # a loss that reaches every logit
 
     model.zero_grad()
-    packed = model(tokens, *document_layout(tokens, BOS))
+    packed = model(tokens, *document_layout(tokens, EOS))
     (packed * weights).sum().backward()
     packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -88,15 +89,15 @@ def test_flex_block_mask_equals_dense_mask(layout: str) -> None:
     """FlexAttention's BlockMask keeps the same keys as SDPA's dense mask (forward only: torch has no FlexAttention
     backward on CPU), and a flex model computes the same logits."""
     tokens = torch.cat([packed_row(LAYOUTS[layout]), packed_row(LAYOUTS["many documents"])])
-    _, document_ids = document_layout(tokens, BOS)
+    _, document_ids = document_layout(tokens, EOS)
     block_mask = build_block_mask(document_ids, SEQ, tokens.device)
     dense = torch.stack([block_mask.mask_mod(torch.tensor(b), None, torch.arange(SEQ)[:, None],
                                              torch.arange(SEQ)[None, :]) for b in range(2)])
     assert torch.equal(dense[:, None], build_dense_mask(document_ids))
     flex, sdpa = build("flex"), build("sdpa")
     with torch.no_grad():
-        torch.testing.assert_close(flex(tokens, *document_layout(tokens, BOS)),
-                                   sdpa(tokens, *document_layout(tokens, BOS)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex(tokens, *document_layout(tokens, EOS)),
+                                   sdpa(tokens, *document_layout(tokens, EOS)), rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_flex_blocks_match_sdpa() -> None:
@@ -106,8 +107,8 @@ def test_compiled_flex_blocks_match_sdpa() -> None:
     for block in flex.layers.values():
         block.compile(fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(flex(tokens, *document_layout(tokens, BOS)),
-                                   sdpa(tokens, *document_layout(tokens, BOS)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex(tokens, *document_layout(tokens, EOS)),
+                                   sdpa(tokens, *document_layout(tokens, EOS)), rtol=1e-5, atol=1e-5)
 
 
 def test_flex_backend_on_cpu_is_a_config_error() -> None:

@@ -28,6 +28,7 @@ LOCAL_BATCH_SIZE = 4
 BASE = ["--training.seq_len", "64", "--training.local_batch_size", str(LOCAL_BATCH_SIZE), "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 
 def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedProcess:
@@ -52,7 +53,8 @@ def resume_from_step_10(straight: Path, resumed: Path) -> None:
     (1, ["--checkpoint.async_mode", "async"]),
     (1, ["--optimizer.state_dtype", "bfloat16"]),
     (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-], ids=["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2"])
+    (2, [*QWEN3_MOE, "--parallelism.expert_parallel_degree", "2"]),
+], ids=["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2", "qwen3-moe-ep2"])
 def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> None:
     """20 steps straight vs 10 + resume + 10: identical per-step losses, so weights, optimizer, schedule, data
     order and RNG all came back (async: the background write saved step 10's state, not a later one; bfloat16
@@ -68,18 +70,21 @@ def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> N
     assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
 
 
-@pytest.mark.parametrize("flags", [
-    ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2"],
-    ["--parallelism.context_parallel_degree", "2"],
-], ids=["pp2", "cp2"])
-def test_resume_on_one_process_from_another_layout(tmp_path: Path, flags: list[str]) -> None:
+@pytest.mark.parametrize("model, flags", [
+    ([], ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2"]),
+    ([], ["--parallelism.context_parallel_degree", "2"]),
+    # Experts split over 2 EP ranks (and their optimizer state, and the routing biases) load whole on one process.
+    # EP ranks are data-parallel ranks: 2 sequences each make the one process's global batch of 4.
+    (QWEN3_MOE, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+], ids=["pp2", "cp2", "qwen3-moe-ep2"])
+def test_resume_on_one_process_from_another_layout(tmp_path: Path, model: list[str], flags: list[str]) -> None:
     """Saved by 2 processes in another layout at step 10, resumed by one: the same per-step losses as the 2-process
     run that went on (to reduction-order rounding), so every part of the checkpoint is layout-free."""
     straight = tmp_path / "straight"
-    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=2)
+    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *model, *flags, nprocs=2)
     resumed = tmp_path / "resumed"
     resume_from_step_10(straight, resumed)
-    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT)
+    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *model)
     restored = re.search(r"checkpoint/step-10: step 10, (.*) restored", result.stdout)
     assert restored and {"model", "optimizer", "lr_scheduler", "dataloader"} <= set(restored.group(1).split(", "))
     want, got = losses_by_step(straight), losses_by_step(resumed)

@@ -34,7 +34,7 @@ BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
 # through their log-sum-exps), so they differ from the full kernel by rounding only.
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
 MODEL = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, max_seq_len=64)
-BOS = 99
+EOS = 99
 # Document ids of each row: row 0 has documents that start in either half of the sequence (so that, sharded, some
 # query chunks see no key of an earlier key chunk), row 1 is one document.
 DOCUMENT_IDS = torch.tensor([[0] * 3 + [1] * 6 + [2] * 1 + [3] * 6, [0] * SEQ])
@@ -124,9 +124,9 @@ def check_model_rows(mesh: DeviceMesh) -> None:
     apply_cp(sharded, mesh, "alltoall", block_causal=True)
     assert all(isinstance(block.attention.inner_attention, ContextParallelAttention)
                for block in sharded.layers.values())
-    tokens = torch.randint(0, BOS, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    tokens[0, [3, 9, 10]] = BOS
-    layout = document_layout(tokens, BOS)
+    tokens = torch.randint(0, EOS, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    tokens[0, [3, 9, 10]] = EOS
+    layout = document_layout(tokens, EOS)
     local = shard_batch(mesh, tokens, *layout)
     torch.testing.assert_close(sharded(*local), shard_sequence(full(tokens, *layout), 1, mesh.get_local_rank(), CP),
                                **TOLERANCE)

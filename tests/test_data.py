@@ -184,7 +184,8 @@ def test_relative_tokenizer_path_tries_cwd_then_project_root(tmp_path: Path,
 
 @pytest.mark.parametrize("content, message", [
     (b"", "is empty"),
-    (b'{"model": {"type": "BPE"}}\n', "not a tiktoken file: line 1"),
+    (b'{"model": {"type": "BPE"}}\n', "Titan reads byte-level BPE tokenizer.json files"),  # JSON: tokenizer.json
+    (b"not base64 0\n", "not a tiktoken file: line 1"),
     (b"AA== 0\nAQ== 1 2\n", "line 2 has extra fields"),
     (b"AA== 0\nAA== 1\n", "listed twice"),
     (b"AA== 0\nAQ== 5\n", "not exactly 0..1"),

@@ -42,6 +42,7 @@ from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.loader import build_dataloader
 from titan.data.tokenizer import build_tokenizer
+from titan.models.families import FAMILIES
 from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
 from titan.models.llama.init import init_weights
 from titan.models.llama.attention import document_layout
@@ -489,8 +490,9 @@ def test_last_save_in_hf_loads_in_transformers_and_resumes_from_step_0(tmp_path:
     inputs, labels = next(iter(loader))
     loader.close()
     with torch.no_grad():
-        logits = model(inputs, *document_layout(inputs, tokenizer.bos_id))
-        exported_loss = cross_entropy_loss(logits, mask_cross_document_targets(labels, tokenizer.bos_id), VOCAB).item()
+        logits = model(inputs, *document_layout(inputs, tokenizer.eos_id))
+        exported_loss = cross_entropy_loss(logits, mask_cross_document_targets(inputs, labels, tokenizer.eos_id),
+                                           VOCAB).item()
     assert losses_by_step(dump)[1] == pytest.approx(exported_loss, rel=1e-5)
     assert first_run_losses[1] != pytest.approx(exported_loss, rel=1e-3)  # the seed init's loss is far from it
     assert (export / INDEX_FILE).is_file() and not (export / ".metadata").exists()
@@ -555,7 +557,7 @@ def test_generate_script(debug_model: Transformer, hf_folder: Path, tmp_path: Pa
     generate_script = importlib.import_module("generate")
     prompt_ids = TOKENIZER.encode(prompt, bos=True, eos=False)
     args = dataclasses.replace(DEBUG, max_seq_len=len(prompt_ids) + max_new_tokens)
-    model = generate_script.build_model(args, debug_model.state_dict(), torch.device("cpu"))
+    model = generate_script.build_model(FAMILIES["llama3"], args, debug_model.state_dict(), torch.device("cpu"))
     new_ids = generate_script.generate(model, prompt_ids, max_new_tokens, temperature, top_k, TOKENIZER.eos_id,
                                        torch.Generator().manual_seed(seed))
     expected_sample = TOKENIZER.decode(prompt_ids[1:] + new_ids)

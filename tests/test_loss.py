@@ -131,8 +131,8 @@ def test_uneven_valid_targets_weigh_every_target_the_same(tmp_path: Path) -> Non
     training = trainer.training
     torch.manual_seed(1)
     tokens = torch.randint(3, 2000, (4, 65))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:].clone()
-    labels[:2, 5:] = training.bos_id  # masked as next-document targets: the first micro-batch keeps 10 of 128
+    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:]
+    inputs[:2, 5:] = training.eos_id  # their targets masked as next-document starts: the first micro-batch keeps 10 of 128
     one_batch = training.grad_accumulation_steps
     assert one_batch == 2
     loss, grads = step_gradients(training, [(inputs[:2], labels[:2]), (inputs[2:], labels[2:])])

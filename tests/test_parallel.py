@@ -45,6 +45,12 @@ FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_f
 MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
 ACCUMULATE = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
 BF16_STATE = ["--optimizer.state_dtype", "bfloat16"]
+QWEN3 = ["--model.name", "qwen3"]
+QWEN3_TIED = [*QWEN3, "--model.flavor", "debugmodel_tied"]
+# The routing bias at its default. No load-balancing loss: it is a function of each micro-batch's tokens, so data
+# parallel ranks' losses differ from one process's (tests/test_moe.py checks its value and gradient).
+QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
@@ -116,6 +122,20 @@ LAYOUTS = {
     # Under TP some gradients come back in another layout than their parameters (Partial norms, the output layer).
     **layouts(2, "ref_bf16_state", fsdp2_bf16_state=["--training.local_batch_size", "2", *FSDP2, *BF16_STATE],
               tp2_bf16_state=["--training.local_batch_size", "4", *TP2, *BF16_STATE]),
+    # Qwen3: QK-norm and a head size of its own under TP and PP; the MoE flavor with expert parallel (EP borrows the
+    # data-parallel ranks: EP=2 on 2 ranks also FSDP-shards the dense layers over them), its all-to-all, its aux loss
+    # and its routing bias.
+    **layouts(1, None, ref_qwen3=["--training.local_batch_size", "4", *QWEN3],
+              ref_qwen3_tied=["--training.local_batch_size", "4", *QWEN3_TIED],
+              ref_qwen3_moe=["--training.local_batch_size", "4", *QWEN3_MOE]),
+    **layouts(2, "ref_qwen3_tied", qwen3_tied_tp2=["--training.local_batch_size", "4", *QWEN3_TIED, *TP2],
+              qwen3_tied_fsdp2=["--training.local_batch_size", "2", *QWEN3_TIED, *FSDP2]),
+    **layouts(2, "ref_qwen3", qwen3_tp2=["--training.local_batch_size", "4", *QWEN3, *TP2, *CHUNKS],
+              qwen3_pp2=["--training.local_batch_size", "4", *QWEN3, *PP2]),
+    **layouts(2, "ref_qwen3_moe", qwen3_moe_ep2=["--training.local_batch_size", "2", *QWEN3_MOE, *EP2],
+              qwen3_moe_fsdp2=["--training.local_batch_size", "2", *QWEN3_MOE, *FSDP2],
+              qwen3_moe_pp2=["--training.local_batch_size", "4", *QWEN3_MOE, *PP2]),
+    **layouts(4, "ref_qwen3_moe", qwen3_moe_ep2_fsdp2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2]),
     **layouts(4, fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2],
               pp2_fsdp2=["--training.local_batch_size", "2", *PP2, *FSDP2],
               pp2_tp2=["--training.local_batch_size", "4", *PP2, *TP2],
@@ -158,7 +178,7 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return results
 
 
-def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True) -> None:
+def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True, weight_atol: float = 1e-4) -> None:
     """`case` ran like its one-process reference: losses, validation loss and final weights."""
     got, ref = runs[case], runs[LAYOUTS[case].reference]
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
@@ -168,7 +188,7 @@ def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True) -> Non
     # Adam divides by sqrt(v): where a gradient is near zero, reduction-order noise moves an update by up to
     # ~1e-5. Far below one step's size (lr 3e-3), so a wrong update would still fail.
     for name, value in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=weight_atol, msg=name)
     # Training really moved the weights, so equal final weights mean equal updates.
     assert ref["losses"][-1] < ref["losses"][0]
 
@@ -191,6 +211,23 @@ def test_tensor_parallel_without_loss_parallel(runs: CaseResults, case: str) -> 
 @pytest.mark.parametrize("case", ["tp2_compiled"])
 def test_compiled_tensor_parallel_matches_one_process(runs: CaseResults, case: str) -> None:
     """Compiled blocks under TP: the layout in which a plain-tensor residual stream broke gradients."""
+    assert_same_run(runs, case)
+
+
+@pytest.mark.parametrize("case", ["qwen3_tied_tp2", "qwen3_tied_fsdp2"])
+def test_qwen3_tied_output_stays_the_embedding(runs: CaseResults, case: str) -> None:
+    """The tie survives materialisation, TP's separate distribution of the two modules, and FSDP: one matrix, so
+    its gradient is the sum of both uses and the layouts agree. The tied matrix's rows of tokens absent from the
+    batches get gradients near zero, where Adam turns reduction-order noise into updates of up to 3e-4 (3 elements
+    of 590k here); a lost gradient path would move whole rows by about lr (3e-3) per step."""
+    assert_same_run(runs, case, weight_atol=1e-3)
+    for run in (runs[case], runs[LAYOUTS[case].reference]):
+        assert torch.equal(run["weights"]["output.weight"], run["weights"]["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("case", ["qwen3_tp2", "qwen3_pp2", "qwen3_moe_ep2", "qwen3_moe_fsdp2", "qwen3_moe_pp2",
+                                  "qwen3_moe_ep2_fsdp2"])
+def test_qwen3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
     assert_same_run(runs, case)
 
 

@@ -132,6 +132,14 @@ def test_store_of_another_tokenizer(tmp_path: Path, tokenizer: Tokenizer) -> Non
         open_store(out, other)
 
 
+def test_tiktoken_fingerprint_is_unchanged(tokenizer: Tokenizer) -> None:
+    """The shipped tokenizer's fingerprint, as stores and checkpoints made before tokenizer.json support recorded
+    it (meta.json, content_hash): a change would make every cached store be tokenized again and every data
+    position in a checkpoint be refused on resume."""
+    assert store_module.tokenizer_fingerprint(tokenizer) == \
+        "c95c110dde0257b593a80f42f8c2a99a8d424268ede255e6dfbc841bce034949"
+
+
 def test_prepared_dataset_trains_and_notices_a_changed_source(tmp_path: Path, tokenizer: Tokenizer) -> None:
     out = prepared(tmp_path, tokenizer, TEXTS * 20)
     training = Training(dataset="prepared", dataset_path=str(out), seq_len=16)

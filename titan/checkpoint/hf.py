@@ -1,5 +1,5 @@
-"""Titan <-> Hugging Face LlamaForCausalLM: parameter names, the RoPE row layout of wq/wk, vocab padding
-and config.json.
+"""Titan <-> Hugging Face causal LMs (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): parameter names,
+the RoPE row layout of wq/wk (and of Qwen3's QK-norm), per-expert tensors, vocab rows and config.json.
 
 RoPE layouts. Both rotate channel pairs of each head by position * freq_i, i < head_dim/2, but they pair
 different channels:
@@ -7,62 +7,167 @@ different channels:
   HF (rotate_half):            channels (i, i + head_dim/2), out[i]  = x[i] cos - x[i + head_dim/2] sin
 So HF channel i is Titan channel 2i and HF channel i + head_dim/2 is Titan channel 2i+1: within each head,
 HF row r*head_dim/2 + i of wq/wk is Titan row 2i + r (r = 0 real part, 1 imaginary part). Permuting the
-output channels of q and k the same way leaves every q.k score unchanged; v and wo don't see RoPE.
+output channels of q and k the same way leaves every q.k score unchanged; v and wo don't see RoPE. Qwen3's
+q_norm/k_norm scale each channel of a head before the rotation, so their head_dim weights move the same way (an
+RMS over a head doesn't depend on the channels' order).
+
+Experts. Titan stacks a layer's experts into one (num_experts, rows, cols) tensor per projection; Qwen3-MoE
+checkpoints on the hub store one tensor per expert (mlp.experts.<e>.gate_proj.weight ...), which is also what
+transformers 5.x's save_pretrained writes back after fusing them at load time. hf_names keys expert e's matrix
+of the Titan tensor `fqn` as `fqn[e]`, so every key maps to exactly one HF tensor.
+
+Vocab rows. Titan pads the embedding and output to padded_vocab_size rows; those padding rows have no HF row.
+Llama checkpoints hold exactly the tokenizer's rows. Qwen's hub checkpoints hold more (151,936 for a tokenizer of
+151,669 tokens): import reads the first vocab_size rows (the tokenizer's; no id reaches the others, and Titan's
+own padding rows stay zero), and export writes exactly vocab_size rows with config.json's vocab_size to match.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from titan.config.errors import ConfigError
 from titan.models.llama.args import ModelArgs, ffn_hidden_dim
 from titan.models.llama.model import Transformer
+from titan.models.qwen3.args import Qwen3Args
+from titan.models.qwen3.model import Transformer as Qwen3Transformer
 
 HF_CONFIG_FILE = "config.json"
 
+HFModelArgs = ModelArgs | Qwen3Args
+"""The model args of a family with a Hugging Face counterpart."""
+
 # Titan FQN inside layers.{i} -> HF name inside model.layers.{i}, in Titan's state-dict order.
-# SwiGLU w2(silu(w1 x) * w3 x): w1 is HF's gate, w3 its up and w2 its down projection.
-LAYER_NAMES = {
+ATTENTION_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+}
+QK_NORM_NAMES = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
+# SwiGLU w2(silu(w1 x) * w3 x): w1 is HF's gate, w3 its up and w2 its down projection.
+FEED_FORWARD_NAMES = {
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
+}
+ROUTER_NAMES = {"moe.router.gate.weight": "mlp.gate.weight"}
+NORM_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-# Titan pads these rows to padded_vocab_size; HF has exactly vocab_size rows.
+# Stacked Titan tensor (num_experts, rows, cols) inside layers.{i} -> HF name of expert {expert}'s (rows, cols).
+EXPERT_NAMES = {
+    "moe.experts.w1": "mlp.experts.{expert}.gate_proj.weight",
+    "moe.experts.w2": "mlp.experts.{expert}.down_proj.weight",
+    "moe.experts.w3": "mlp.experts.{expert}.up_proj.weight",
+}
+# Titan pads these rows to padded_vocab_size; HF has vocab_size rows (or more, see the module docstring).
 VOCAB_FQNS = ("tok_embeddings.weight", "output.weight")
 HF_EMBEDDING, HF_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
+# Tensors whose rows (of each head) are in RoPE's channel order: Titan's interleaved pairs, HF's halves.
+ROPE_FQN_SUFFIXES = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
+                     "attention.k_norm.weight")
 
 
-def hf_names(args: ModelArgs) -> dict[str, str]:
-    """Titan FQN -> HF LlamaForCausalLM name for every parameter, in Titan's state-dict order."""
+@dataclass(frozen=True)
+class HFFamily:
+    """A Titan model family as its transformers class stores it."""
+
+    name: str
+    """For messages: "Llama", "Qwen3", "Qwen3-MoE"."""
+    model_type: str
+    architecture: str
+    model: Callable[[HFModelArgs], nn.Module]
+    layer_names: dict[str, str]
+    expert_names: dict[str, str]
+    hub_pads_vocab: bool
+    """Its hub checkpoints may hold more vocab rows than the tokenizer has tokens."""
+
+
+LLAMA = HFFamily("Llama", "llama", "LlamaForCausalLM", Transformer,
+                 {**ATTENTION_NAMES, **FEED_FORWARD_NAMES, **NORM_NAMES}, {}, hub_pads_vocab=False)
+QWEN3 = HFFamily("Qwen3", "qwen3", "Qwen3ForCausalLM", Qwen3Transformer,
+                 {**ATTENTION_NAMES, **QK_NORM_NAMES, **FEED_FORWARD_NAMES, **NORM_NAMES}, {}, hub_pads_vocab=True)
+QWEN3_MOE = HFFamily("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", Qwen3Transformer,
+                     {**ATTENTION_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES, **NORM_NAMES}, EXPERT_NAMES,
+                     hub_pads_vocab=True)
+
+
+def hf_family(args: HFModelArgs) -> HFFamily:
+    """The transformers class that holds a model of `args`: Qwen3-MoE when every block is a mixture of experts
+    (Titan's Qwen3 has no dense blocks between them), else the family's dense class."""
+    if isinstance(args, ModelArgs):
+        return LLAMA
+    return QWEN3 if args.moe is None else QWEN3_MOE
+
+
+def ties_embeddings(args: HFModelArgs) -> bool:
+    """Whether Titan's output layer is the embedding itself (Llama's Titan flavors are always untied)."""
+    return isinstance(args, Qwen3Args) and args.tie_embeddings
+
+
+def expert_key(fqn: str, expert: int) -> str:
+    """hf_names' key of expert `expert`'s matrix of the stacked Titan tensor `fqn`."""
+    return f"{fqn}[{expert}]"
+
+
+def titan_fqn(key: str) -> str:
+    """The Titan FQN of an hf_names key: the key itself, or the stacked tensor an expert's key indexes."""
+    return key.partition("[")[0]
+
+
+def hf_names(args: HFModelArgs) -> dict[str, str]:
+    """Key -> HF name of every HF tensor, in Titan's state-dict order. A key is a Titan FQN, or `fqn[e]` for expert
+    e's matrix of a stacked expert tensor. A tied output has no key (HF stores only the embedding), nor does
+    MoE's routing bias (expert_bias: auxiliary-loss-free balancing, which transformers doesn't have)."""
+    family = hf_family(args)
+    num_experts = args.moe.num_experts if family.expert_names else 0
     names = {"tok_embeddings.weight": HF_EMBEDDING}
     for layer_id in range(args.n_layers):
-        names.update({f"layers.{layer_id}.{titan}": f"model.layers.{layer_id}.{hf}"
-                      for titan, hf in LAYER_NAMES.items()})
-    names.update({"norm.weight": "model.norm.weight", "output.weight": HF_OUTPUT})
+        titan_layer, hf_layer = f"layers.{layer_id}", f"model.layers.{layer_id}"
+        names.update({f"{titan_layer}.{titan}": f"{hf_layer}.{hf}" for titan, hf in family.layer_names.items()})
+        names.update({expert_key(f"{titan_layer}.{titan}", expert): f"{hf_layer}.{hf.format(expert=expert)}"
+                      for titan, hf in family.expert_names.items() for expert in range(num_experts)})
+    names["norm.weight"] = "model.norm.weight"
+    if not ties_embeddings(args):
+        names["output.weight"] = HF_OUTPUT
     return names
 
 
-def titan_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+def titan_shapes(args: HFModelArgs) -> dict[str, torch.Size]:
     """Shape of every tensor in a Titan state dict for `args`, read off a model built on meta."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = hf_family(args).model(args)
     return {fqn: tensor.shape for fqn, tensor in model.state_dict().items()}
 
 
-def hf_shapes(args: ModelArgs) -> dict[str, torch.Size]:
-    """Shape of every tensor in the HF state dict for `args`: Titan's, with the vocab rows unpadded."""
+def hf_shapes(args: HFModelArgs, vocab_rows: int | None = None) -> dict[str, torch.Size]:
+    """Shape of every tensor in the HF state dict for `args`: Titan's, with `vocab_rows` (default: vocab_size)
+    rows for the embedding and output, and one (rows, cols) matrix per expert."""
     titan = titan_shapes(args)
-    return {hf: torch.Size([args.vocab_size, args.dim]) if fqn in VOCAB_FQNS else titan[fqn]
-            for fqn, hf in hf_names(args).items()}
+    shapes = {}
+    for key, hf in hf_names(args).items():
+        fqn = titan_fqn(key)
+        if fqn in VOCAB_FQNS:
+            shapes[hf] = torch.Size([args.vocab_size if vocab_rows is None else vocab_rows, args.dim])
+        else:
+            shapes[hf] = titan[fqn][1:] if key != fqn else titan[fqn]
+    return shapes
+
+
+def hf_vocab_rows(config: dict, args: HFModelArgs) -> int:
+    """The vocab rows the embedding and output of a folder with this config.json hold: vocab_size, or for a
+    family whose hub pads its vocab, config.json's count (check_hf_config has checked it is not fewer)."""
+    if hf_family(args).hub_pads_vocab:
+        return config.get("vocab_size", args.vocab_size)
+    return args.vocab_size
 
 
 def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Size], source: str,
@@ -84,22 +189,14 @@ def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Siz
             problems.append(f"{source} tensor {name}{where} has shape {list(shapes[name])}, but the model "
                             f"needs {list(shape)}.")
     if problems:
-        problems.append("Check that --model.flavor and --model.tokenizer_path are the ones the checkpoint was "
-                        "trained with.")
+        problems.append("Check that --model.name, --model.flavor and --model.tokenizer_path are the ones the "
+                        "checkpoint was trained with.")
         raise ConfigError(problems)
 
 
-def rope_heads(fqn: str, args: ModelArgs) -> int | None:
-    """Number of heads whose rows need the RoPE permutation in the tensor `fqn`; None if it has no RoPE."""
-    if fqn.endswith("attention.wq.weight"):
-        return args.n_heads
-    if fqn.endswith("attention.wk.weight"):
-        return args.n_kv_heads
-    return None
-
-
 def rotate_half_rows(rows: Tensor, head_dim: int) -> Tensor:
-    """HF row of each Titan wq/wk row in `rows`: within its head, Titan row 2i + r is HF row r * head_dim/2 + i."""
+    """HF row of each Titan wq/wk (or QK-norm) row in `rows`: within its head, Titan row 2i + r is HF row
+    r * head_dim/2 + i."""
     head, channel = rows // head_dim, rows % head_dim
     return head * head_dim + (channel % 2) * (head_dim // 2) + channel // 2
 
@@ -119,33 +216,33 @@ class RowBlock:
         return int(self.local_rows[0]) if bool((steps == 1).all()) else None
 
 
-def row_blocks(fqn: str, first_row: int, num_rows: int, args: ModelArgs) -> list[RowBlock]:
-    """Where rows [first_row, first_row + num_rows) of the Titan tensor `fqn` (one rank's chunk of it) lie in the HF
-    tensor, as runs of consecutive HF rows. This is what lets each rank read and write only its own shard: FSDP and
-    TP chunk every tensor into row ranges (TP's column shards keep all rows), and a row range maps to
+def row_blocks(key: str, first_row: int, num_rows: int, args: HFModelArgs) -> list[RowBlock]:
+    """Where rows [first_row, first_row + num_rows) of the Titan tensor `key` (an hf_names key: one rank's chunk of
+    it) lie in the HF tensor, as runs of consecutive HF rows. This is what lets each rank read and write only its own
+    shard: FSDP and TP chunk every tensor into row ranges (TP's column shards keep all rows), and a row range maps to
 
-    - itself, for tensors with the same layout in both;
+    - itself, for tensors with the same layout in both (an expert's matrix among them);
     - itself cut at vocab_size, for the embedding and output, whose padding rows have no HF row;
-    - at most three HF runs for wq/wk: the permutation stays inside a head, so whole heads map onto the same rows,
-      and a head cut by the chunk's start or end splits into its even (first HF half) and odd (second half) rows.
+    - at most three HF runs for wq/wk and the QK-norms: the permutation stays inside a head, so whole heads map onto
+      the same rows, and a head cut by the chunk's start or end splits into its even (first HF half) and odd
+      (second half) rows.
     """
     end = first_row + num_rows
-    if fqn in VOCAB_FQNS:
+    if key in VOCAB_FQNS:
         end = min(end, args.vocab_size)
     if end <= first_row:
         return []
     rows = torch.arange(first_row, end)
-    heads = rope_heads(fqn, args)
-    if heads is None:
+    if not key.endswith(ROPE_FQN_SUFFIXES):
         return [RowBlock(first_row, rows - first_row)]
-    hf_rows, local_rows = torch.sort(rotate_half_rows(rows, args.dim // args.n_heads))
+    hf_rows, local_rows = torch.sort(rotate_half_rows(rows, args.head_dim))
     breaks = (torch.diff(hf_rows) != 1).nonzero().flatten() + 1  # where one run of consecutive HF rows ends
     return [RowBlock(int(run[0]), local) for run, local in zip(hf_rows.tensor_split(breaks),
                                                                local_rows.tensor_split(breaks))]
 
 
-def hf_rope_scaling(args: ModelArgs) -> dict[str, float | int | str] | None:
-    """The rope_scaling entry of config.json: HF's "llama3" rope type, or None for plain RoPE."""
+def hf_rope_scaling(args: HFModelArgs) -> dict[str, float | int | str] | None:
+    """The rope_scaling entry of config.json: HF's "llama3" rope type, or None for plain RoPE (always, for Qwen3)."""
     if args.rope_scaling is None:
         return None
     scaling = args.rope_scaling
@@ -154,41 +251,55 @@ def hf_rope_scaling(args: ModelArgs) -> dict[str, float | int | str] | None:
             "original_max_position_embeddings": scaling.original_max_position_embeddings}
 
 
-def hf_architecture(args: ModelArgs) -> dict:
-    """The config.json fields that fix the weights' shapes and the model's math, other than RoPE's.
-    (max_position_embeddings is not among them: a position's rotary angles don't depend on it.)"""
-    return {
-        "vocab_size": args.vocab_size,
+def hf_architecture(args: HFModelArgs) -> dict:
+    """The config.json fields that fix the weights' shapes and the model's math, other than RoPE's and vocab_size
+    (check_hf_config checks those on their own). max_position_embeddings is not among them: a position's rotary
+    angles don't depend on it, and a run may train on another context length than the checkpoint's."""
+    fields = {
         "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args),
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.dim // args.n_heads,
+        "head_dim": args.head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": args.norm_eps,
         "attention_bias": False,
-        "mlp_bias": False,
     }
+    if isinstance(args, ModelArgs):
+        return {**fields, "intermediate_size": ffn_hidden_dim(args), "mlp_bias": False}
+    # Titan's Qwen3 attends over the whole context in every layer, and a tied output has no matrix of its own.
+    fields.update(use_sliding_window=False, tie_word_embeddings=args.tie_embeddings)
+    if args.moe is None:
+        return {**fields, "intermediate_size": args.hidden_dim}
+    # Every block is a mixture of experts (no dense mlp_only_layers), so intermediate_size, the dense MLP's, fixes
+    # nothing: hf_config writes it (the flavor keeps the hub config's value), and this leaves it unchecked.
+    return {**fields, "num_experts": args.moe.num_experts, "num_experts_per_tok": args.moe.top_k,
+            "moe_intermediate_size": args.moe.hidden_dim, "norm_topk_prob": args.moe.norm_topk_prob,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype, bos_token_id: int, eos_token_id: int) -> dict:
-    """config.json of a LlamaForCausalLM with Titan's shapes, in the layout of Meta's published Llama 3
-    configs (rope_theta + rope_scaling), which transformers 4.x and 5.x both read. The output layer is
-    untied, as Titan trains it. The token ids matter to transformers' generate(), whose defaults (1, 2)
-    are Llama 2's."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def hf_config(args: HFModelArgs, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int) -> dict:
+    """config.json of the family's transformers class with Titan's shapes, in the layout of the published configs
+    (Meta's Llama 3, Qwen's Qwen3: rope_theta + rope_scaling), which transformers 4.x and 5.x both read. Llama's
+    output layer is untied, as Titan trains it. The token ids matter to transformers' generate(), whose defaults
+    (1, 2) are Llama 2's."""
+    family = hf_family(args)
+    config = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": args.vocab_size,
+        "tie_word_embeddings": ties_embeddings(args),
         **hf_architecture(args),
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,
         "rope_scaling": hf_rope_scaling(args),
-        "tie_word_embeddings": False,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
+    if family is QWEN3_MOE:
+        config["intermediate_size"] = args.hidden_dim  # unused (see hf_architecture), but every hub config has it
+    return config
 
 
 def read_rope(config: dict) -> tuple[float | None, dict | None]:
@@ -201,11 +312,40 @@ def read_rope(config: dict) -> tuple[float | None, dict | None]:
     return theta, (parameters if parameters.get("rope_type", "default") != "default" else None)
 
 
-def check_hf_config(config: dict, args: ModelArgs, path: Path) -> None:
+# Fields that transformers 5.x writes under another name than the hub's configs (and 4.x) do.
+CONFIG_ALIASES = {"num_experts": "num_local_experts"}
+
+
+def config_field(config: dict, field: str) -> tuple[str, object] | None:
+    """(the name config.json uses, its value) for `field`, under either name; None if the file leaves it out."""
+    for name in (field, CONFIG_ALIASES.get(field, field)):
+        if name in config:
+            return name, config[name]
+    return None
+
+
+def check_vocab_size(config: dict, args: HFModelArgs, path: Path) -> str | None:
+    """config.json's vocab_size must be the tokenizer's, or for a family whose hub pads the vocab, at least that."""
+    if "vocab_size" not in config:
+        return None
+    rows, pads = config["vocab_size"], hf_family(args).hub_pads_vocab
+    if rows == args.vocab_size or (pads and rows > args.vocab_size):
+        return None
+    return (f"{path} has vocab_size {rows!r}, but the Titan model args give {'at least ' if pads else ''}"
+            f"{args.vocab_size!r} (the size of --model.tokenizer_path's tokenizer).")
+
+
+def check_hf_config(config: dict, args: HFModelArgs, path: Path) -> None:
     """Raise one ConfigError naming every config.json field that disagrees with `args`. Fields the file
     leaves out are not checked."""
-    problems = [f"{path} has {field} {config[field]!r}, but the Titan model args give {value!r}."
-                for field, value in hf_architecture(args).items() if field in config and config[field] != value]
+    problems = []
+    for field, value in hf_architecture(args).items():
+        found = config_field(config, field)
+        if found is not None and found[1] != value:
+            problems.append(f"{path} has {found[0]} {found[1]!r}, but the Titan model args give {value!r}.")
+    vocab_problem = check_vocab_size(config, args, path)
+    if vocab_problem is not None:
+        problems.append(vocab_problem)
     theta, scaling = read_rope(config)
     if theta is not None and theta != args.rope_theta:
         problems.append(f"{path} has rope_theta {theta!r}, but the Titan model args give {args.rope_theta!r}.")
@@ -213,5 +353,6 @@ def check_hf_config(config: dict, args: ModelArgs, path: Path) -> None:
         problems.append(f"{path} has RoPE scaling {scaling!r}, but the Titan model args give "
                         f"{hf_rope_scaling(args)!r}.")
     if problems:
-        problems.append("Pick the --model.flavor and --model.tokenizer_path this checkpoint was made for.")
+        problems.append("Pick the --model.name, --model.flavor and --model.tokenizer_path this checkpoint was made "
+                        "for.")
         raise ConfigError(problems)

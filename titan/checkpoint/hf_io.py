@@ -5,7 +5,9 @@ Load (load_hf): inspect_folder checks the folder on every rank before any tensor
 index, every shard's header (through the `safetensors` package, which rejects truncated files, overlapping or
 out-of-range offsets and oversized headers), and the names, shapes and dtypes of the weights. HFLoadPlanner then
 asks HuggingFaceStorageReader for the HF rows of each local chunk (hf.row_blocks): RoPE rows land directly in their
-interleaved place, vocab padding rows are zeroed, and nothing outside the chunk is read or allocated.
+interleaved place, each HF expert tensor directly in its slice of the stacked Titan tensor, vocab padding rows and
+tensors without an HF counterpart (MoE's routing bias) are zeroed, and nothing outside the chunk is read or
+allocated.
 
 Save (save_hf): HFSavePlanner hands each rank's rows to HuggingFaceStorageWriter in HF layout and the export dtype;
 each rank writes its chunks under <folder>/sharded, then torch's consolidate_safetensors_files_on_every_rank builds
@@ -17,6 +19,7 @@ import dataclasses
 import json
 import shutil
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -53,19 +56,25 @@ from titan.checkpoint.hf import (
     HF_EMBEDDING,
     HF_OUTPUT,
     VOCAB_FQNS,
+    HFModelArgs,
     RowBlock,
     check_hf_config,
     check_shapes,
+    expert_key,
     hf_config,
+    hf_family,
     hf_names,
     hf_shapes,
+    hf_vocab_rows,
     row_blocks,
+    ties_embeddings,
+    titan_fqn,
     titan_shapes,
 )
 from titan.config.errors import ConfigError
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.tokenizer import Tokenizer
-from titan.models.llama.args import ModelArgs
+from titan.metrics.log import logger
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARDED_FOLDER = "sharded"
@@ -85,6 +94,25 @@ def local_chunk(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return tensor, (0,) * tensor.dim()
 
 
+def hf_chunks(state_dict: dict[str, Tensor], keys: Collection[str]) -> dict[str, tuple[Tensor, tuple[int, ...]]]:
+    """This rank's part of every tensor of `state_dict` that has an HF counterpart, by its key among `keys` (hf_names'
+    keys), with where it starts in the full tensor (local_chunk). A stacked expert tensor gives each of its local
+    experts' matrices, a view, under that expert's key; tensors whose FQN no key names are left out."""
+    stacked = {titan_fqn(key) for key in keys} - set(keys)
+    chunks = {}
+    for fqn, tensor in state_dict.items():
+        if fqn not in keys and fqn not in stacked:
+            continue
+        local, offsets = local_chunk(tensor)
+        if fqn in stacked:
+            # Local expert i is expert offsets[0] + i, its matrix's part starting at offsets[1:] of that expert's.
+            chunks.update({expert_key(fqn, offsets[0] + i): (matrix, offsets[1:])
+                           for i, matrix in enumerate(local.unbind(0))})
+        else:
+            chunks[fqn] = (local, offsets)
+    return chunks
+
+
 # ---- inspecting a folder before loading ----
 
 def read_json(path: Path) -> dict:
@@ -94,16 +122,18 @@ def read_json(path: Path) -> dict:
         raise ConfigError(f"{path} is not readable JSON ({error}). {COPY_AGAIN}") from None
 
 
-def read_config(folder: Path, args: ModelArgs) -> dict:
-    """config.json ({} if the folder has none), checked to describe a Llama model of Titan's shape."""
+def read_config(folder: Path, args: HFModelArgs) -> dict:
+    """config.json ({} if the folder has none), checked to describe a model of Titan's family and shape."""
     path = folder / HF_CONFIG_FILE
     if not path.is_file():
         return {}
     config = read_json(path)
-    architectures = config.get("architectures") or ["LlamaForCausalLM"]
-    if config.get("model_type", "llama") != "llama" or "LlamaForCausalLM" not in architectures:
-        raise ConfigError(f"{path} describes a {config.get('model_type')!r} model ({architectures}), not a Llama "
-                          f"(LlamaForCausalLM). Point --checkpoint.initial_load_path at a Llama folder.")
+    family = hf_family(args)
+    architectures = config.get("architectures") or [family.architecture]
+    if config.get("model_type", family.model_type) != family.model_type or family.architecture not in architectures:
+        raise ConfigError(f"{path} describes a {config.get('model_type')!r} model ({architectures}), not a "
+                          f"{family.name} ({family.architecture}). Point --checkpoint.initial_load_path at a "
+                          f"{family.name} folder, or pick the --model.name and --model.flavor of this one.")
     check_hf_config(config, args, path)
     return config
 
@@ -157,16 +187,22 @@ def read_headers(files: dict[Path, set[str] | None]) -> dict[str, tuple[Path, to
     return tensors
 
 
-def inspect_folder(folder: Path, args: ModelArgs) -> dict[str, str]:
-    """Check a Hugging Face Llama folder against `args` without reading tensor data, and return the HF tensor that
-    fills each Titan FQN. One ConfigError names every problem and its file."""
+def inspect_folder(folder: Path, args: HFModelArgs) -> dict[str, str]:
+    """Check a Hugging Face folder against `args` without reading tensor data, and return the HF tensor that fills
+    each key (hf_names' keys, plus the output of a tied model). One ConfigError names every problem and its file."""
     config = read_config(folder, args)
     tensors = read_headers(weight_files(folder))
     names = hf_names(args)
-    # Tied checkpoints (Meta's Llama 3.2 1B and 3B) store only the embedding; Titan's output is its own copy.
-    if config.get("tie_word_embeddings") and HF_OUTPUT not in tensors:
+    # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
+    # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
+    # trains an output of its own, which starts as a copy.
+    if ties_embeddings(args) or (config.get("tie_word_embeddings") and HF_OUTPUT not in tensors):
         names["output.weight"] = HF_EMBEDDING
-    expected = {hf: shape for hf, shape in hf_shapes(args).items() if hf in names.values()}
+    vocab_rows = hf_vocab_rows(config, args)
+    if vocab_rows > args.vocab_size:
+        logger.info(f"{folder} holds {vocab_rows} vocabulary rows; Titan reads the first {args.vocab_size}, the "
+                    f"tokenizer's, and drops the others, which no token id reaches.")
+    expected = {hf: shape for hf, shape in hf_shapes(args, vocab_rows).items() if hf in names.values()}
     check_shapes({name: shape for name, (_, shape, _) in tensors.items()}, expected, f"Hugging Face folder {folder}",
                  files={name: file.name for name, (file, _, _) in tensors.items()})
     wrong_dtypes = [f"{name} is {dtype} in {file.name}" for name, (file, _, dtype) in tensors.items()
@@ -182,18 +218,17 @@ def inspect_folder(folder: Path, args: ModelArgs) -> dict[str, str]:
 class HFLoadPlanner(DefaultLoadPlanner):
     """Reads, for every local chunk of the Titan state dict, the HF rows that hold it (one read per row block)."""
 
-    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: ModelArgs) -> None:
+    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: HFModelArgs) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.reads: list[ReadItem] = []
         self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
-        for fqn, tensor in state_dict.items():
-            local, offsets = local_chunk(tensor)
-            for block in row_blocks(fqn, offsets[0], local.shape[0], args):
+        for key, (local, offsets) in hf_chunks(state_dict, sources).items():
+            for block in row_blocks(key, offsets[0], local.shape[0], args):
                 storage_offsets = torch.Size([block.hf_row, *offsets[1:]])
-                dest = MetadataIndex(fqn, storage_offsets)
+                dest = MetadataIndex(key, storage_offsets)
                 self.reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
                                            dest_offsets=torch.Size([0] * local.dim()),
-                                           storage_index=MetadataIndex(sources[fqn], [0] * local.dim()),
+                                           storage_index=MetadataIndex(sources[key], [0] * local.dim()),
                                            storage_offsets=storage_offsets,
                                            lengths=torch.Size([len(block.local_rows), *local.shape[1:]])))
                 self.blocks[dest] = (local, block)
@@ -233,20 +268,23 @@ class BlockReader(HuggingFaceStorageReader):
         return done
 
 
-def load_hf(folder: Path, state_dict: dict[str, Tensor], args: ModelArgs) -> None:
+def load_hf(folder: Path, state_dict: dict[str, Tensor], args: HFModelArgs) -> None:
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
     Face folder. Every rank calls this; each reads only its own rows."""
     sources = inspect_folder(folder, args)
+    loaded = {titan_fqn(key) for key in sources}
     with torch.no_grad():
         dcp.load(state_dict, storage_reader=BlockReader(str(folder)),
                  planner=HFLoadPlanner(state_dict, sources, args), no_dist=not dist.is_initialized())
-        for fqn in VOCAB_FQNS:
-            if fqn in state_dict:
-                local, offsets = local_chunk(state_dict[fqn])
+        for fqn, tensor in state_dict.items():
+            local, offsets = local_chunk(tensor)
+            if fqn in VOCAB_FQNS:
                 local[max(0, args.vocab_size - offsets[0]):].zero_()  # padding rows: no HF row, never trained
+            elif fqn not in loaded:
+                local.zero_()  # MoE's routing bias (expert_bias): no HF counterpart; zero is no bias, as at init
 
 
-def read_hf_weights(folder: Path, args: ModelArgs) -> dict[str, Tensor]:
+def read_hf_weights(folder: Path, args: HFModelArgs) -> dict[str, Tensor]:
     """The whole model as a float32 Titan state dict on this process, from a Hugging Face folder (the scripts)."""
     state_dict = {fqn: torch.empty(shape) for fqn, shape in titan_shapes(args).items()}
     load_hf(folder, state_dict, args)
@@ -258,21 +296,20 @@ def read_hf_weights(folder: Path, args: ModelArgs) -> dict[str, Tensor]:
 class HFSavePlanner(DefaultSavePlanner):
     """Writes every local chunk of the Titan state dict as HF rows (one chunk per row block) in `dtype`."""
 
-    def __init__(self, state_dict: dict[str, Tensor], args: ModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, state_dict: dict[str, Tensor], args: HFModelArgs, dtype: torch.dtype) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.dtype = dtype
         self.writes: list[WriteItem] = []
         self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
         names, shapes = hf_names(args), hf_shapes(args)
-        for fqn, tensor in state_dict.items():
-            local, offsets = local_chunk(tensor)
-            for block in row_blocks(fqn, offsets[0], local.shape[0], args):
+        for key, (local, offsets) in hf_chunks(state_dict, names).items():
+            for block in row_blocks(key, offsets[0], local.shape[0], args):
                 chunk = ChunkStorageMetadata(offsets=torch.Size([block.hf_row, *offsets[1:]]),
                                              sizes=torch.Size([len(block.local_rows), *local.shape[1:]]))
-                index = MetadataIndex(names[fqn], chunk.offsets)
+                index = MetadataIndex(names[key], chunk.offsets)
                 # A replicated tensor (a norm under TP) gives every rank the same index; DCP keeps one writer.
                 self.writes.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties(dtype=dtype), size=shapes[names[fqn]])))
+                    chunk=chunk, properties=TensorProperties(dtype=dtype), size=shapes[names[key]])))
                 self.blocks[index] = (local, block)
 
     def create_local_plan(self) -> SavePlan:
@@ -324,7 +361,7 @@ class ShardedHFWriter(HuggingFaceStorageWriter):
         return written
 
 
-def file_indices(args: ModelArgs, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
+def file_indices(args: HFModelArgs, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
     """HF name -> output file number (from 1), in HF order, starting a new file before one would pass
     max_shard_bytes (a larger tensor gets a file of its own), as save_pretrained shards."""
     indices: dict[str, int] = {}
@@ -338,10 +375,11 @@ def file_indices(args: ModelArgs, dtype: torch.dtype, max_shard_bytes: int) -> d
     return indices
 
 
-def save_hf(state_dict: dict[str, Tensor], folder: Path, args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer,
+def save_hf(state_dict: dict[str, Tensor], folder: Path, args: HFModelArgs, dtype: torch.dtype, tokenizer: Tokenizer,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face Llama folder:
-    safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this."""
+    """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face folder of the args'
+    family: safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this.
+    A tied output and MoE's routing bias are left out (hf_names)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     indices = file_indices(args, dtype, max_shard_bytes)
     sharded = folder / SHARDED_FOLDER

@@ -62,13 +62,18 @@ class Estimate:
 
 @dataclass
 class Model:
-    name: Literal["llama3"] = "llama3"
-    """Model family to build."""
-    flavor: Literal["debugmodel", "debugmodel_mha", "100M", "1B", "3B", "8B", "70B", "405B"] = "debugmodel"
-    """Model size: debugmodel (tiny, trains on CPU), 100M (dim 768, 16 layers), 1B/3B (Llama 3.2 dims), 8B/70B/405B
-    (Llama 3.1 dims)."""
+    name: Literal["llama3", "qwen3"] = "llama3"
+    """Model family to build: llama3 (Llama 3 / 3.1 / 3.2 shapes) or qwen3 (Qwen3 dense and mixture-of-experts)."""
+    flavor: Literal["debugmodel", "debugmodel_mha", "debugmodel_tied", "debugmodel_moe", "100M", "0.6B", "1B", "1.7B", "3B", "4B", "8B",
+                    "14B", "32B", "70B", "405B", "30B-A3B", "235B-A22B"] = "debugmodel"
+    """Model size within the family. llama3: debugmodel (tiny, trains on CPU), debugmodel_mha, 100M (dim 768, 16
+    layers), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims). qwen3: debugmodel, debugmodel_tied (its output is
+    its embedding), debugmodel_moe (8 experts, top 2; all three train on CPU), 0.6B/1.7B/4B/8B/14B/32B dense and 30B-A3B/235B-A22B mixture-of-experts (the published
+    Qwen3 configs)."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
-    """Tokenizer file in tiktoken format (base64 token and rank per line), e.g. Llama 3's tokenizer.model."""
+    """Tokenizer file: tiktoken format (base64 token and rank per line, e.g. Llama 3's tokenizer.model), or a Hugging
+    Face tokenizer.json of a byte-level BPE (Qwen3's, GPT-2's, Llama 3's), read with the tokenizer_config.json next
+    to it for its BOS. Documents end with the EOS (<|endoftext|> where the file has it)."""
     vocab_size_multiple_of: Count = 64
     """Pad the embedding and output rows up to a multiple of this, so float8 and TP can split them.
     Padded ids are never targets and are dropped from logits returned to users."""
@@ -85,6 +90,19 @@ class Model:
     """What a token attends to: block_causal (Llama 3's recipe: the earlier tokens of its own document, rotary
     positions restarting at each document's BOS, and no loss on predicting the next document's BOS) or causal (every
     earlier token of the packed sequence, across documents)."""
+
+
+@dataclass
+class MoE:
+    load_balance_coeff: NonNegativeFloat = 1e-3
+    """Auxiliary-loss-free load balancing (DeepSeek-V3, torchtitan's default): after every optimizer step each
+    expert's routing bias moves by this much, up for experts that got fewer tokens than the mean and down for the
+    others; the bias steers which experts a token picks, not their weights. 0: no bias. Mixture-of-experts flavors
+    only."""
+    aux_loss_weight: NonNegativeFloat = 0.0
+    """Weight of the load-balancing loss (Switch Transformer's, as Qwen3-MoE computes it) of each MoE layer, added
+    to the gradient but not to the reported loss. Qwen3-MoE was trained with 0.001 (its router_aux_loss_coef).
+    0: no such loss. Mixture-of-experts flavors only."""
 
 
 @dataclass
@@ -321,6 +339,11 @@ class Parallelism:
     """Uneven stages: the first block of every stage but the first, e.g. "layers.3" "layers.7" for three stages.
     The first stage also holds the embedding and the last the norm, output and loss, so they often want fewer
     blocks. Empty: set by pipeline_parallel_layers_per_stage."""
+    expert_parallel_degree: Count = 1
+    """Ranks that split each mixture-of-experts layer's experts (each holds num_experts / degree of them) and send
+    every token to the ranks of its experts and back (all-to-all). It borrows its ranks from data parallel: the
+    degree must divide data_parallel_shard_degree x context_parallel_degree, and the experts are FSDP-sharded over
+    the ranks left over. 1: every rank holds every expert. Mixture-of-experts flavors only."""
     context_parallel_degree: Count = 1
     """Ranks that split each sequence (for long contexts): every rank holds 2 of 2 x degree chunks, one from the
     start and one from the end, so causal attention work is balanced. 1: no context parallel."""
@@ -440,6 +463,7 @@ class Compile:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    moe: MoE = field(default_factory=MoE)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)

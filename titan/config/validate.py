@@ -23,8 +23,7 @@ from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
 from titan.config.multipliers import parse_lr_multiplier
 from titan.config.paths import is_url, missing_backend, resolve_path
-from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
-from titan.models.llama.model import linear_fqns
+from titan.models.families import FAMILIES, linear_fqns
 from titan.config.stages import (
     LOOPED_SCHEDULES,
     ROUND_SCHEDULES,
@@ -72,8 +71,27 @@ def needs_in_range(*fields: str) -> Callable[[Rule], Rule]:
     return mark
 
 
+def flavor_args(cfg: JobConfig):  # noqa: ANN201 (a family's args class)
+    """The shape of --model.flavor in --model.name's family, or None when the family has no such flavor
+    (check_flavor reports it, and the rules that read the shape skip)."""
+    return FAMILIES[cfg.model.name].flavors.get(cfg.model.flavor)
+
+
+def check_flavor(cfg: JobConfig, world_size: int) -> str | None:
+    flavors = FAMILIES[cfg.model.name].flavors
+    if cfg.model.flavor in flavors:
+        return None
+    others = [name for name, family in FAMILIES.items() if cfg.model.flavor in family.flavors]
+    elsewhere = f" (it is a {' and '.join(others)} flavor)" if others else ""
+    return (f"--model.flavor {cfg.model.flavor} is not a flavor of --model.name {cfg.model.name}{elsewhere}. "
+            f"{cfg.model.name} has: {', '.join(flavors)}.")
+
+
 def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
-    max_seq_len = LLAMA3_FLAVORS[cfg.model.flavor].max_seq_len
+    args = flavor_args(cfg)
+    if args is None:
+        return None
+    max_seq_len = args.max_seq_len
     if cfg.training.seq_len > max_seq_len:
         return (f"--training.seq_len {cfg.training.seq_len} is longer than --model.flavor {cfg.model.flavor} "
                 f"supports ({max_seq_len}). Use --training.seq_len {max_seq_len} or less.")
@@ -107,9 +125,9 @@ def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     or a rename) would silently train in low precision."""
     filters = {"float8": cfg.float8.filter_fqns, "mx": cfg.mx.filter_fqns}
     used = [name for name in filters if name in cfg.model.converters]
-    if not used:
+    if not used or flavor_args(cfg) is None:
         return []
-    fqns = linear_fqns(LLAMA3_FLAVORS[cfg.model.flavor])  # layer names don't depend on the vocab or sequence length
+    fqns = linear_fqns(cfg.model.name, cfg.model.flavor)  # layer names don't depend on the vocab or sequence length
     # Every dotted suffix of an FQN ("wq", "attention.wq", ...) is a plausible filter entry to suggest.
     suffixes = sorted({".".join(fqn.split(".")[i:]) for fqn in fqns for i in range(len(fqn.split(".")))})
     layer_kinds = sorted({re.sub(r"^layers\.\d+\.", "", fqn) for fqn in fqns})
@@ -138,7 +156,8 @@ def check_tokenizer_path(cfg: JobConfig, world_size: int) -> str | None:
     if resolve_path(cfg.model.tokenizer_path).is_file():
         return None
     return (f"--model.tokenizer_path {cfg.model.tokenizer_path!r} is not a file. Point it at a tiktoken-format "
-            f"tokenizer such as tokenizers/titan_2256.tiktoken or Llama 3's tokenizer.model.")
+            f"tokenizer such as tokenizers/titan_2256.tiktoken or Llama 3's tokenizer.model, or at a Hugging Face "
+            f"tokenizer.json such as Qwen3's.")
 
 
 @about_this_machine
@@ -287,10 +306,10 @@ def check_cpu_offload(cfg: JobConfig, world_size: int) -> str | None:
 
 def check_pipeline_split_points(cfg: JobConfig, world_size: int) -> str | None:
     par = cfg.parallelism
-    num_layers = LLAMA3_FLAVORS[cfg.model.flavor].n_layers
     points = par.pipeline_parallel_split_points
-    if not points:
+    if not points or flavor_args(cfg) is None:
         return None
+    num_layers = flavor_args(cfg).n_layers
     try:
         layers = split_point_layers(points)
     except ValueError as bad:
@@ -307,7 +326,9 @@ def check_pipeline_split_points(cfg: JobConfig, world_size: int) -> str | None:
 def check_pipeline_stages(cfg: JobConfig, world_size: int) -> list[str]:
     par = cfg.parallelism
     pp, schedule = par.pipeline_parallel_degree, par.pipeline_parallel_schedule
-    num_layers = LLAMA3_FLAVORS[cfg.model.flavor].n_layers
+    if flavor_args(cfg) is None:
+        return []
+    num_layers = flavor_args(cfg).n_layers
     if pp == 1:
         given = [f"--parallelism.{name}" for name in ("pipeline_parallel_layers_per_stage",
                                                        "pipeline_parallel_split_points") if getattr(par, name)]
@@ -453,10 +474,9 @@ def check_validation_seq_len(cfg: JobConfig, world_size: int) -> str | None:
 
 def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
     tp = cfg.parallelism.tensor_parallel_degree
-    if tp <= 1:
+    if tp <= 1 or flavor_args(cfg) is None:
         return []
-    args = LLAMA3_FLAVORS[cfg.model.flavor]
-    sizes = (("attention heads", args.n_heads), ("kv heads", args.n_kv_heads), ("FFN hidden size", ffn_hidden_dim(args)))
+    sizes = FAMILIES[cfg.model.name].tensor_parallel_sizes(flavor_args(cfg))
     problems = [f"--parallelism.tensor_parallel_degree {tp} must divide the {what} of --model.flavor "
                 f"{cfg.model.flavor} ({size}). Try {largest_divisor_at_most(tp, size, world_size)}."
                 for what, size in sizes if size % tp]
@@ -469,6 +489,55 @@ def check_tensor_parallel_shapes(cfg: JobConfig, world_size: int) -> list[str]:
                         f"--parallelism.tensor_parallel_degree {tp} (sequence parallel splits it). Try "
                         f"{cfg.training.seq_len // tp * tp}.")
     return problems
+
+
+@needs_in_range("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
+                "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
+                "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree")
+def check_mixture_of_experts(cfg: JobConfig, world_size: int) -> list[str]:
+    args, par, model = flavor_args(cfg), cfg.parallelism, cfg.model
+    if args is None:
+        return []
+    moe, ep = getattr(args, "moe", None), par.expert_parallel_degree
+    if moe is None:
+        problems = []
+        if ep > 1:
+            problems.append(f"--parallelism.expert_parallel_degree {ep} needs a mixture-of-experts flavor, and "
+                            f"--model.name {model.name} --model.flavor {model.flavor} has no experts. Use 1, or "
+                            f"--model.name qwen3 with --model.flavor debugmodel_moe, 30B-A3B or 235B-A22B.")
+        if cfg.moe.aux_loss_weight > 0:
+            problems.append(f"--moe.aux_loss_weight {cfg.moe.aux_loss_weight} only applies to mixture-of-experts "
+                            f"flavors, and --model.flavor {model.flavor} has no experts. Set it to 0.")
+        return problems
+    problems = []
+    if par.tensor_parallel_degree > 1:
+        problems.append(f"--parallelism.tensor_parallel_degree {par.tensor_parallel_degree} does not combine with "
+                        f"the mixture-of-experts flavor {model.flavor} yet: Titan's tensor-parallel plan covers "
+                        f"attention and dense feed-forwards only. Split the experts with "
+                        f"--parallelism.expert_parallel_degree (and FSDP) instead, or use a dense flavor.")
+    shard = par.data_parallel_shard_degree
+    if shard == -1:
+        shard = data_parallel_degree(cfg, world_size) // par.data_parallel_replicate_degree
+    borrowed = shard * par.context_parallel_degree
+    if borrowed % ep:
+        problems.append(f"--parallelism.expert_parallel_degree {ep} must divide --parallelism."
+                        f"data_parallel_shard_degree {shard} x --parallelism.context_parallel_degree "
+                        f"{par.context_parallel_degree} = {borrowed}: expert parallel borrows its ranks from them. "
+                        f"Try {largest_divisor_at_most(ep, borrowed, moe.num_experts)}.")
+    if moe.num_experts % ep:
+        problems.append(f"--parallelism.expert_parallel_degree {ep} must divide the {moe.num_experts} experts of "
+                        f"--model.flavor {model.flavor}, so every rank holds as many. Try "
+                        f"{largest_divisor_at_most(ep, borrowed, moe.num_experts)}.")
+    return problems
+
+
+def check_tied_embeddings(cfg: JobConfig, world_size: int) -> str | None:
+    args, pp = flavor_args(cfg), cfg.parallelism.pipeline_parallel_degree
+    if args is None or pp == 1 or not getattr(args, "tie_embeddings", False):
+        return None
+    return (f"--model.flavor {cfg.model.flavor} ties its output layer to the token embedding, which "
+            f"--parallelism.pipeline_parallel_degree {pp} would put on different stages. Use "
+            f"--parallelism.pipeline_parallel_degree 1 (FSDP and TP keep the tie), or an untied flavor (8B and up).")
 
 
 def check_async_tp(cfg: JobConfig, world_size: int) -> str | None:
@@ -603,7 +672,7 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 
 
 RULES: tuple[Rule, ...] = (
-    check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
+    check_flavor, check_mixture_of_experts, check_tied_embeddings, check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
     check_dataset_path, check_dump_folder, check_memory_snapshot, check_lr_multipliers, check_wandb_installed,
     check_cpu_offload,
     check_degree_product, check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches,

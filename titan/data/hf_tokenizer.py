@@ -13,6 +13,10 @@ tokenizer_config.json, written by hand so that the runtime needs neither `tokeni
 The one difference: Titan cuts text into MAX_ENCODE_CHARS parts and runs of whitespace or non-whitespace into
 MAX_RUN_CHARS parts before tiktoken sees them (titan/data/tokenizer.py, as Meta's Llama 3 tokenizer does) and
 Hugging Face does not, so ids can differ at those cuts: only in texts or runs longer than that.
+
+A tokenizer read from a tokenizer.json (titan/data/tokenizer_json.py) is exported as that file and its
+tokenizer_config.json, unchanged: they are the tokenizer, chat template and added tokens' flags included, that its
+users expect. Without a tokenizer_config.json beside it, one naming Titan's BOS and EOS is written.
 """
 
 import json
@@ -20,37 +24,36 @@ from pathlib import Path
 from typing import Any
 
 from titan.data.tokenizer import BOS_TOKEN, EOS_TOKEN, LLAMA3_SPLIT_PATTERN, Tokenizer
+from titan.data.tokenizer_json import TOKENIZER_CONFIG_FILE, byte_level
 
 
 def write_hf_tokenizer(tokenizer: Tokenizer, folder: Path) -> list[Path]:
     """Write tokenizer.json and tokenizer_config.json into `folder` (created if missing); returns their paths."""
     folder.mkdir(parents=True, exist_ok=True)
-    files = {"tokenizer.json": build_tokenizer_json(tokenizer), "tokenizer_config.json": build_tokenizer_config()}
     paths = []
-    for name, content in files.items():
+    for name, content in tokenizer_files(tokenizer).items():
         path = folder / name
-        # Compact: indented, a 128000-rank tokenizer.json is 3x bigger and takes the json module 4x longer.
-        path.write_text(json.dumps(content, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+        path.write_bytes(content)
         paths.append(path)
     return paths
 
 
-def byte_level_table() -> dict[int, str]:
-    """The byte-level alphabet of GPT-2, which tokenizers' ByteLevel pre-tokenizer and decoder use: BPE there runs
-    on strings, so each byte becomes one printable character. Printable Latin-1 bytes stand for themselves; the
-    other 68 take the code points from 256 up, in byte order. Keyed by code point, for str.translate."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    unprintable = [byte for byte in range(256) if byte not in printable]
-    table = {byte: chr(byte) for byte in printable}
-    table.update({byte: chr(256 + i) for i, byte in enumerate(unprintable)})
-    return table
+def tokenizer_files(tokenizer: Tokenizer) -> dict[str, bytes]:
+    """File name -> content: the tokenizer.json files the tokenizer was read from, or ones built from its ranks."""
+    if tokenizer.hf_json is None:
+        return {"tokenizer.json": compact_json(build_tokenizer_json(tokenizer)),
+                TOKENIZER_CONFIG_FILE: compact_json(build_tokenizer_config(BOS_TOKEN, EOS_TOKEN))}
+    files = dict(tokenizer.hf_json.files)
+    if TOKENIZER_CONFIG_FILE not in files:
+        names = {token_id: name for name, token_id in tokenizer.special_tokens.items()}
+        config = build_tokenizer_config(names.get(tokenizer.bos_id), names[tokenizer.eos_id])
+        files[TOKENIZER_CONFIG_FILE] = compact_json(config)
+    return files
 
 
-_BYTE_LEVEL = byte_level_table()
-
-
-def byte_level(token: bytes) -> str:
-    return token.decode("latin-1").translate(_BYTE_LEVEL)  # latin-1 maps byte b to code point b
+def compact_json(content: dict[str, Any]) -> bytes:
+    # Compact: indented, a 128000-rank tokenizer.json is 3x bigger and takes the json module 4x longer.
+    return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def recover_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -116,12 +119,12 @@ def bos_template(bos_id: int) -> dict[str, Any]:
     }
 
 
-def build_tokenizer_config() -> dict[str, Any]:
+def build_tokenizer_config(bos_token: str | None, eos_token: str) -> dict[str, Any]:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "add_bos_token": True,
+        "bos_token": bos_token,
+        "eos_token": eos_token,
+        "add_bos_token": bos_token is not None,
         "add_eos_token": False,
         "split_special_tokens": True,
         # True would rewrite " ." and " n't" while decoding, so decode would no longer invert encode.

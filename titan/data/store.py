@@ -2,8 +2,8 @@
 token ids by index and never tokenizes.
 
 A store is a folder of three files:
-  tokens.npy     every document as BOS + its tokens + EOS, back to back, in the source's document order: uint16
-                 when the vocabulary has at most 65,536 ids, else uint32
+  tokens.npy     every document as BOS (when the tokenizer has one) + its tokens + EOS, back to back, in the
+                 source's document order: uint16 when the vocabulary has at most 65,536 ids, else uint32
   documents.npy  int64 offsets, one per document and one past the last: document d is
                  tokens[documents[d]:documents[d + 1]]
   meta.json      format and version, the tokenizer's fingerprint and vocabulary size, the source (kind, path, split,
@@ -34,6 +34,7 @@ import numpy as np
 
 from titan.config.errors import ConfigError
 from titan.data.tokenizer import Tokenizer
+from titan.data.tokenizer_json import TokenizerJson
 from titan.metrics.log import logger
 
 STORE_FORMAT = "titan-token-store"
@@ -91,11 +92,18 @@ def file_sha256(path: Path) -> str:
 
 @functools.lru_cache(maxsize=8)  # keyed by the tokenizer object: 128k ranks take ~0.1 s to hash
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
-    """A SHA-256 of the tokenizer's ranks and special tokens: the same tokenizer in any file has the same one."""
+    """A SHA-256 of everything that decides the tokenizer's ids: the same tokenizer in any file has the same one.
+    A tiktoken file's ranks and special tokens decide them (its regex, BOS and EOS are fixed); a tokenizer.json
+    also sets the regex, the NFC normalizer, BOS and EOS. Those are hashed for tokenizer.json files only, so that
+    the fingerprints of tiktoken tokenizers, in existing stores and checkpoints, stay what they were."""
     digest = hashlib.sha256()
     for token, rank in sorted(tokenizer.mergeable_ranks.items(), key=lambda item: item[1]):
         digest.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
     digest.update(json.dumps(tokenizer.special_tokens, sort_keys=True).encode())
+    if tokenizer.hf_json is not None:
+        rules = {"split_pattern": tokenizer.hf_json.split_pattern, "nfc": tokenizer.hf_json.nfc,
+                 "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+        digest.update(json.dumps(rules, sort_keys=True).encode())
     return digest.hexdigest()
 
 
@@ -222,9 +230,9 @@ def source_changes(meta: dict[str, Any]) -> list[str]:
 _worker_tokenizer: Tokenizer | None = None
 
 
-def start_worker(mergeable_ranks: dict[bytes, int], name: str) -> None:
+def start_worker(mergeable_ranks: dict[bytes, int], name: str, hf_json: TokenizerJson | None) -> None:
     global _worker_tokenizer
-    _worker_tokenizer = Tokenizer(mergeable_ranks, name)
+    _worker_tokenizer = Tokenizer(mergeable_ranks, name, hf_json)
 
 
 def encode_in_worker(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -233,8 +241,8 @@ def encode_in_worker(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.
 
 
 def encode_documents(tokenizer: Tokenizer, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """The tokens of the non-empty `texts` (BOS + text + EOS each, concatenated) and each one's length. Empty
-    documents are dropped: BOS + EOS alone would teach nothing."""
+    """The tokens of the non-empty `texts` ([BOS] + text + EOS each, concatenated; BOS when the tokenizer has one)
+    and each one's length. Empty documents are dropped: BOS + EOS alone would teach nothing."""
     encoded = [tokenizer.encode(text, bos=True, eos=True) for text in texts if text]
     lengths = np.fromiter((len(ids) for ids in encoded), dtype=np.int64, count=len(encoded))
     flat = np.fromiter((token for ids in encoded for token in ids), dtype=dtype, count=int(lengths.sum()))
@@ -270,7 +278,7 @@ def encoded_chunks(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dty
         return
     # Spawned, not forked: the trainer prepares after starting its process groups' threads.
     with ProcessPoolExecutor(workers, mp_context=get_context("spawn"), initializer=start_worker,
-                             initargs=(tokenizer.mergeable_ranks, "titan")) as pool:
+                             initargs=(tokenizer.mergeable_ranks, "titan", tokenizer.hf_json)) as pool:
         pending: list[tuple[Future, int]] = []
         for texts, chars in chunks:
             pending.append((pool.submit(encode_in_worker, texts, dtype), chars))

@@ -1,16 +1,18 @@
-"""Byte-level BPE tokenizer in tiktoken format: Llama 3's tokenizer.model or one trained by
-scripts/train_tokenizer.py (such as the shipped tokenizers/titan_2256.tiktoken)."""
+"""Byte-level BPE tokenizer on tiktoken, read from a tiktoken file (Llama 3's tokenizer.model or one trained by
+scripts/train_tokenizer.py, such as the shipped tokenizers/titan_2256.tiktoken) or from a Hugging Face
+tokenizer.json of the same kind (GPT-2, Llama 3, Qwen2 and Qwen3: titan/data/tokenizer_json.py)."""
 
 import base64
 import binascii
 import re
+import unicodedata
 from collections.abc import Iterator
-from pathlib import Path
 
 import tiktoken
 
 from titan.config.errors import ConfigError
 from titan.config.paths import resolve_path
+from titan.data.tokenizer_json import TokenizerJson, read_tokenizer_json
 
 SHIPPED_TOKENIZER = "tokenizers/titan_2256.tiktoken"
 
@@ -51,22 +53,32 @@ def special_tokens_for(num_ranks: int) -> dict[str, int]:
 
 
 class Tokenizer:
-    """Encodes any text to ids and back. Special-token strings inside text are encoded as plain text."""
+    """Encodes any text to ids and back. Special-token strings inside text are encoded as plain text: documents
+    get special tokens only where Titan puts them (BOS, EOS), never from what they contain."""
 
-    def __init__(self, mergeable_ranks: dict[bytes, int], name: str) -> None:
-        special_tokens = special_tokens_for(len(mergeable_ranks))
+    def __init__(self, mergeable_ranks: dict[bytes, int], name: str, hf_json: TokenizerJson | None = None) -> None:
+        """`mergeable_ranks` of a tiktoken file get Llama 3's regex and special tokens (special_tokens_for);
+        `hf_json` brings a tokenizer.json's instead."""
+        special_tokens = special_tokens_for(len(mergeable_ranks)) if hf_json is None else hf_json.special_tokens
         self._encoding = tiktoken.Encoding(
-            name=name, pat_str=LLAMA3_SPLIT_PATTERN, mergeable_ranks=mergeable_ranks, special_tokens=special_tokens
+            name=name, pat_str=LLAMA3_SPLIT_PATTERN if hf_json is None else hf_json.split_pattern,
+            mergeable_ranks=mergeable_ranks, special_tokens=special_tokens,
         )
-        # Public so that exporters (titan/data/hf_tokenizer.py) can rebuild the same tokenizer in other formats.
+        # Public so that exporters (titan/data/hf_tokenizer.py) can rebuild the same tokenizer in other formats, or
+        # carry hf_json's files, and token stores can fingerprint it (titan/data/store.py).
         self.mergeable_ranks: dict[bytes, int] = mergeable_ranks
         self.special_tokens: dict[str, int] = special_tokens
-        self.bos_id: int = special_tokens[BOS_TOKEN]
-        self.eos_id: int = special_tokens[EOS_TOKEN]
-        self.vocab_size: int = len(mergeable_ranks) + len(special_tokens)
+        self.hf_json: TokenizerJson | None = hf_json
+        self.bos_id: int | None = special_tokens[BOS_TOKEN] if hf_json is None else hf_json.bos_id
+        self.eos_id: int = special_tokens[EOS_TOKEN] if hf_json is None else hf_json.eos_id
+        # The highest id + 1: a tokenizer.json's ids may leave gaps.
+        self.vocab_size: int = max(max(mergeable_ranks.values()), max(special_tokens.values())) + 1
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
-        ids = [self.bos_id] if bos else []
+        """`text`'s ids, after BOS when `bos` and the tokenizer has one, and before EOS when `eos`."""
+        ids = [self.bos_id] if bos and self.bos_id is not None else []
+        if self.hf_json is not None and self.hf_json.nfc:
+            text = unicodedata.normalize("NFC", text)
         for piece in tiktoken_pieces(text):
             ids.extend(self._encoding.encode_ordinary(piece))
         if eos:
@@ -94,25 +106,31 @@ def tiktoken_pieces(text: str) -> Iterator[str]:
 
 
 def build_tokenizer(path: str) -> Tokenizer:
-    """Load the tiktoken file at `path` (relative: to the working directory, else to the project root)."""
+    """Load the tiktoken file or Hugging Face tokenizer.json at `path` (relative: to the working directory, else to
+    the project root). A file whose text starts with `{` is a tokenizer.json, whatever its name: a tiktoken line
+    starts with base64."""
     resolved = resolve_path(path)
     if not resolved.is_file():
         raise ConfigError(f"--model.tokenizer_path {path!r} is not a file (looked in the working directory and the "
                           f"project root). Point it at a tiktoken file such as {SHIPPED_TOKENIZER} or Llama 3's "
-                          f"original/tokenizer.model.")
-    return Tokenizer(read_tiktoken_ranks(resolved, path), name=resolved.stem)
-
-
-def read_tiktoken_ranks(resolved: Path, given: str) -> dict[bytes, int]:
-    """The mergeable ranks in a tiktoken file. Parsed here rather than by tiktoken.load.load_tiktoken_bpe, which
-    caches files by path under /tmp and so would keep serving a stale copy after a tokenizer is retrained."""
+                          f"original/tokenizer.model, or at a Hugging Face tokenizer.json such as Qwen3's.")
     try:
-        lines = resolved.read_bytes().splitlines()
+        content = resolved.read_bytes()
     except OSError as err:
-        raise ConfigError(f"--model.tokenizer_path {given!r} can't be read ({err.strerror}). Check the file's "
+        raise ConfigError(f"--model.tokenizer_path {path!r} can't be read ({err.strerror}). Check the file's "
                           f"permissions.") from err
+    if content.lstrip().startswith(b"{"):
+        ranks, hf_json = read_tokenizer_json(resolved, content, path)
+        return Tokenizer(ranks, name=resolved.stem, hf_json=hf_json)
+    return Tokenizer(read_tiktoken_ranks(content, path), name=resolved.stem)
+
+
+def read_tiktoken_ranks(content: bytes, given: str) -> dict[bytes, int]:
+    """The mergeable ranks in a tiktoken file's `content`. Parsed here rather than by
+    tiktoken.load.load_tiktoken_bpe, which caches files by path under /tmp and so would keep serving a stale copy
+    after a tokenizer is retrained."""
     ranks: dict[bytes, int] = {}
-    for line_number, line in enumerate(lines, start=1):
+    for line_number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
         fields = line.split()
@@ -120,8 +138,8 @@ def read_tiktoken_ranks(resolved: Path, given: str) -> dict[bytes, int]:
             token, rank = base64.b64decode(fields[0], validate=True), int(fields[1])
         except (IndexError, ValueError, binascii.Error):
             raise ConfigError(f"--model.tokenizer_path {given!r} is not a tiktoken file: line {line_number} is not "
-                              f"`<base64 token bytes> <rank>`. Expected {TIKTOKEN_FORMAT}; Hugging Face "
-                              f"tokenizer.json files are not supported.") from None
+                              f"`<base64 token bytes> <rank>`. Expected {TIKTOKEN_FORMAT}, or a Hugging Face "
+                              f"tokenizer.json.") from None
         if len(fields) != 2 or token in ranks:
             raise ConfigError(f"--model.tokenizer_path {given!r} is not a tiktoken file: line {line_number} has "
                               f"{'extra fields' if len(fields) != 2 else 'a token listed twice'}. "

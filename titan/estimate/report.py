@@ -46,6 +46,13 @@ def collective_rows(result: DryRunResult, est: Estimate) -> list[str]:
     return lines
 
 
+def active_params_note(result: DryRunResult) -> str:
+    """" (3,353,032,704 active per token)" for a mixture of experts; empty for a dense model."""
+    if result.num_active_params == result.num_params:
+        return ""
+    return f" ({result.num_active_params:,} active per token)"
+
+
 def format_report(result: DryRunResult, est: Estimate) -> str:
     gpu = GPUS[est.gpu]
     memory = result.memory
@@ -53,8 +60,9 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
     share = 100 * result.local_params / result.num_params
     lines = [
         f"Dry run of rank {result.rank} of {result.world_size} ({result.layout}); this rank runs {result.stages}.",
-        f"Model: {result.num_params:,} parameters, {result.flops_per_token / 1e9:.3g} GFLOPs per token (6N + "
-        f"attention, the MFU convention); this rank holds {result.local_params:,} ({share:.2f}%).",
+        f"Model: {result.num_params:,} parameters{active_params_note(result)}, {result.flops_per_token / 1e9:.3g} "
+        f"GFLOPs per token (6N + attention, the MFU convention, N the active parameters); this rank holds "
+        f"{result.local_params:,} ({share:.2f}%).",
         f"Memory at the step's peak, tensor bytes on this rank (GiB), eager code (compile off):",
         *(f"  {name:<28} {memory.by_category[name] / GIB:>8.2f}" for name in CATEGORIES),
         f"  {'total':<28} {memory.total / GIB:>8.2f}  of {gpu.hbm_bytes / GIB:.1f} GiB on an {gpu.name} "

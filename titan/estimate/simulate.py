@@ -17,8 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titan.config.dtypes import to_dtype
-from titan.config.job import JobConfig
+from titan.config.job import JobConfig, Model
 from titan.config.paths import resolve_path
 from titan.config.stages import ideal_bubble_fraction
 from titan.data.tokenizer import build_tokenizer
@@ -26,10 +25,10 @@ from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import OFFLOADED, GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
-from titan.models.llama.args import LLAMA3_BOS_ID, LLAMA3_VOCAB_SIZE
+from titan.models.families import FAMILIES
+from titan.models.llama.args import LLAMA3_BOS_ID
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
-from titan.parallel.pp import Pipeline, StageExamples, apply_stage_shapes
-from titan.parallel.tp import loss_parallel_context
+from titan.parallel.pp import declare_static_shapes
 from titan.train.step import TrainingStep, build_training_step
 
 
@@ -42,6 +41,7 @@ class DryRunResult:
     layout: str
     stages: str
     num_params: int
+    num_active_params: int
     local_params: int
     flops_per_token: int
     tokens_per_gpu: int
@@ -63,14 +63,16 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def dry_run_vocabulary(tokenizer_path: str) -> tuple[int, int]:
-    """(vocabulary size, BOS id) of the tokenizer when its file is here; Llama 3's (the flavors' own) otherwise."""
-    if resolve_path(tokenizer_path).is_file():
-        tokenizer = build_tokenizer(tokenizer_path)
-        return tokenizer.vocab_size, tokenizer.bos_id
-    logger.info(f"Dry run: --model.tokenizer_path {tokenizer_path!r} is not on this machine; using Llama 3's "
-                f"vocabulary of {LLAMA3_VOCAB_SIZE} tokens.")
-    return LLAMA3_VOCAB_SIZE, LLAMA3_BOS_ID
+def dry_run_vocabulary(model: Model) -> tuple[int, int]:
+    """(vocabulary size, EOS id) of the tokenizer when its file is here; otherwise the family's own vocabulary (its
+    flavors' placeholder size) and Llama 3's BOS id as the document marker, which only matters to fake token ids."""
+    if resolve_path(model.tokenizer_path).is_file():
+        tokenizer = build_tokenizer(model.tokenizer_path)
+        return tokenizer.vocab_size, tokenizer.eos_id
+    vocab_size = FAMILIES[model.name].flavors[model.flavor].vocab_size
+    logger.info(f"Dry run: --model.tokenizer_path {model.tokenizer_path!r} is not on this machine; using "
+                f"{model.name}'s vocabulary of {vocab_size} tokens.")
+    return vocab_size, LLAMA3_BOS_ID
 
 
 def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
@@ -79,39 +81,12 @@ def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
     if meshes is None:
         return {}
     infos = {}
-    for mesh in (meshes.root, meshes.dp, meshes.fsdp, meshes.loss):
+    experts = tuple(mesh for mesh in (meshes.ep, meshes.expert_fsdp) if mesh is not None)
+    for mesh in (meshes.root, meshes.dp, meshes.fsdp, meshes.loss, meshes.dp_cp, *experts):
         for index, name in enumerate(mesh.mesh_dim_names):
             group = mesh.get_group(index)
             infos.setdefault(group.group_name, GroupInfo(dim=name, ranks=tuple(dist.get_process_group_ranks(group))))
     return infos
-
-
-def stage_examples(training: TrainingStep, pipeline: Pipeline, microbatch_size: int) -> StageExamples:
-    """(input, output) of one micro-batch for each of this rank's stages. A stage after the first takes the
-    residual stream as pipelining sends it: this rank's sequence shard (TP and CP shard the sequence), in the
-    dtype FSDP computes in (float32 otherwise, autocast keeping the residual stream in float32). The output
-    comes from running the stage on that input with the keyword inputs the schedule hands it (fake: no compute,
-    and the autograd graph is dropped at once)."""
-    t, d, args = training.train_cfg, training.dims, training.model_parts.args
-    dtype = to_dtype(t.mixed_precision_param) if d.dp_enabled else torch.float32
-    tokens = torch.randint(0, args.vocab_size, (microbatch_size, t.seq_len + 1))
-    micro_batch = training.micro_batch(tokens[:, :-1], tokens[:, 1:])
-    examples = []
-    for part, stage_id in zip(pipeline.parts, pipeline.stage_ids):
-        if stage_id == 0:
-            example_in = micro_batch.inputs
-        else:
-            example_in = torch.empty(microbatch_size, t.seq_len // (d.cp * d.tp), args.dim, dtype=dtype,
-                                     requires_grad=True)
-        kwargs = micro_batch.model_inputs()
-        if stage_id == pipeline.num_stages - 1:
-            kwargs["labels"] = micro_batch.labels
-        # With autograd on: an output that requires grad tells the stage to receive its gradient. The last stage's
-        # output is its loss, computed as the step computes it (under loss parallel on vocab-sharded logits).
-        with training.autocast(), loss_parallel_context(training.loss_parallel):
-            example_out = part(example_in, **kwargs)
-        examples.append((example_in, example_out.detach().requires_grad_(example_out.requires_grad)))
-    return examples
 
 
 def random_batches(training: TrainingStep) -> Iterator[tuple[Tensor, Tensor]]:
@@ -157,6 +132,7 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
     layout = f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x cp {d.cp} x tp {d.tp}"
     return DryRunResult(
         rank=rank, world_size=d.world_size, layout=layout, stages=stages, num_params=model_parts.num_params,
+        num_active_params=model_parts.num_active_params,
         local_params=sum(local_numel(p) for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
         memory=memory_peak(recorder, OFFLOADED if training.train_cfg.enable_cpu_offload else ()),
@@ -173,19 +149,16 @@ def local_numel(param: torch.Tensor) -> int:
 def run_dry_run(cfg: JobConfig, world_size: int, rank: int) -> DryRunResult:
     """Simulate `rank` of a `world_size` job and return its recorded step; leaves no process group behind. The
     trainer's own build (titan/train/step.py) runs on the CPU, its weights and everything after them on fake
-    tensors; a real run's pipeline stages learn their shapes from their neighbours, which a simulated rank has
-    none of, so here they are told them."""
+    tensors; a real run's pipeline stages confirm with their neighbours that every stage was told its shapes, which a
+    simulated rank has none of, so here its stages are declared static directly."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         join_fake_process_group(rank, world_size)
         dims = resolve_dims(cfg.parallelism, world_size)
-        training = build_training_step(cfg, dims, torch.device("cpu"), *dry_run_vocabulary(cfg.model.tokenizer_path),
+        training = build_training_step(cfg, dims, torch.device("cpu"), *dry_run_vocabulary(cfg.model),
                                        fake_mode)
-        pipeline = training.model_parts.pipeline
-        if pipeline is not None:
-            with fake_mode:
-                examples = stage_examples(training, pipeline, cfg.parallelism.pipeline_parallel_microbatch_size)
-                apply_stage_shapes(pipeline, examples)
+        if training.model_parts.pipeline is not None:
+            declare_static_shapes(training.model_parts.pipeline.schedule)
         recorder = record_step(training, fake_mode)
         dp_rank, dp_degree = data_parallel_rank(training.meshes)
         data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,

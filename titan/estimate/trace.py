@@ -60,6 +60,7 @@ FUNCTIONAL_COLLECTIVES = {
 
 # CPU runs (the dry run's fake tensors included) take SDPA's CPU flash kernel, which torch's FLOP table lacks.
 CPU_FLASH_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
+GROUPED_MM = aten._grouped_mm.default
 CPU_FLASH_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # Fused attention kernels (a dry run records the CPU ones; a run on a GPU the others), timed at the roofline's
 # attention efficiency rather than the matmuls'.
@@ -95,8 +96,20 @@ def argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) 
     raise KeyError(f"{func} has no argument {name}")
 
 
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
+    """FLOPs of torch._grouped_mm (a mixture of experts' matmuls), which torch's FLOP table lacks: every output
+    element is a dot product over the contracted dimension, except when two 2-D operands give one (in, out) matrix
+    per group (an expert's weight gradient), where each group contracts only its own block of rows."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
 def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> float:
-    """The op's FLOPs from torch's FLOP table (matmuls, fused attention), with CPU flash attention added."""
+    """The op's FLOPs from torch's FLOP table (matmuls, fused attention), with CPU flash attention and grouped
+    matmuls added."""
+    if func is GROUPED_MM:
+        return grouped_mm_flops(args[0], args[1], out)
     if func is CPU_FLASH_ATTENTION:
         return attention_flops(args[0], args[1], causal=bool(argument(func, args, kwargs, "is_causal")))
     if func is CPU_FLASH_ATTENTION_BACKWARD:

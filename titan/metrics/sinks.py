@@ -10,15 +10,18 @@ from typing import Any, Protocol
 from titan.config.job import Metrics
 from titan.metrics.log import logger
 
-Record = dict[str, float | int | dict[str, int] | None]
+Record = dict[str, float | int | dict[str, int] | dict[str, list[int]] | None]
 
 # Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU). Rates are over
 # the steps since the previous record; step_time_min_s/max_s are the logged step's time on the fastest and the
 # slowest rank (a straggler shows as a wide range); gc_pause_s is the time spent in scheduled garbage collections
 # (--training.gc_freq) since the previous record; tokens_by_source is the input tokens drawn from each source of a
-# --training.mixture since the run began (None for a single source).
+# --training.mixture since the run began (None for a single source). A mixture of experts adds its load over the
+# logged step (titan/train/expert_balance.py; None for dense models): moe_imbalance, the most loaded expert's tokens
+# over the mean in the worst MoE layer (1.0: even), and tokens_per_expert, each layer's routed tokens per expert.
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
-               "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "gc_pause_s", "tokens_by_source")
+               "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "gc_pause_s", "tokens_by_source",
+               "moe_imbalance", "tokens_per_expert")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
 # A skipped, rolled-back, stopping or logged-spike step's record is its line of anomalies.jsonl
@@ -37,14 +40,15 @@ def is_anomaly(record: Record) -> bool:
 def tagged_values(record: Record) -> dict[str, Any]:
     """The record's values by tag, as TensorBoard and W&B show them: train/<key>, val/<key> for an evaluation,
     anomaly/<key> for an anomaly; a dict of numbers (tokens_by_source) as one tag per entry. None values are left
-    out."""
+    out, and so are lists (tokens_per_expert), which only the JSONL keeps whole."""
     if is_anomaly(record):
         return {f"anomaly/{key}": value for key, value in record.items() if key != "step"}
     prefix, strip = ("val", "val_") if is_validation(record) else ("train", "")
     tagged: dict[str, Any] = {}
     for key, value in record.items():
         if isinstance(value, dict):
-            tagged.update({f"{prefix}/{key}/{name}": number for name, number in value.items()})
+            tagged.update({f"{prefix}/{key}/{name}": number for name, number in value.items()
+                           if not isinstance(number, list)})
         elif key != "step" and value is not None:
             tagged[f"{prefix}/{key.removeprefix(strip)}"] = value
     return tagged
@@ -95,6 +99,8 @@ class ConsoleSink:
             total = sum(record["tokens_by_source"].values())
             shares = " ".join(f"{name} {100 * tokens / total:.0f}%" for name, tokens in record["tokens_by_source"].items())
             parts.append(("tokens_by_source", f"mixture {shares}"))
+        if record["moe_imbalance"] is not None:
+            parts.append(("moe_imbalance", f"experts max/mean {record['moe_imbalance']:.2f}"))
         logger.info("  ".join(self.paint(key, text) for key, text in parts))
 
     def write_validation(self, record: Record) -> None:

@@ -35,6 +35,8 @@ class ParallelDims:
     dp_shard: int
     cp: int
     tp: int
+    ep: int = 1
+    """Expert parallel: borrowed from dp_shard x cp (not a factor of the world size)."""
 
     @property
     def world_size(self) -> int:
@@ -63,6 +65,15 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def expert_fsdp(self) -> int:
+        """Ranks that FSDP-shard each expert: the dp_shard x cp ranks left over after expert parallel."""
+        return self.dp_shard * self.cp // self.ep
+
 
 def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
     """Degrees with data_parallel_shard_degree -1 replaced by the ranks left over. Validation has checked
@@ -72,7 +83,8 @@ def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
         shard = world_size // (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
                                * par.context_parallel_degree * par.tensor_parallel_degree)
     return ParallelDims(pp=par.pipeline_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
-                        dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree)
+                        dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
+                        ep=par.expert_parallel_degree)
 
 
 def init_distributed(comm: Comm, device: torch.device, world_size: int, dump_folder: Path,
@@ -154,6 +166,13 @@ class Meshes:
     """dp_shard x cp flattened, or (dp_replicate, that) for HSDP: ranks that shard parameters."""
     loss: DeviceMesh
     """pp x dp_replicate x dp_shard x cp flattened: ranks whose losses make up the global mean."""
+    dp_cp: DeviceMesh
+    """dp_replicate x dp_shard x cp flattened: ranks that hold the same layers and see different tokens."""
+    ep: DeviceMesh | None = None
+    """Expert parallel: the ranks among dp_shard x cp that split the experts (the innermost of them)."""
+    expert_fsdp: DeviceMesh | None = None
+    """Expert parallel: the ranks that FSDP-shard each expert (the rest of dp_shard x cp, with dp_replicate
+    outside for HSDP)."""
 
     @property
     def pp(self) -> DeviceMesh:
@@ -169,7 +188,8 @@ class Meshes:
 
     def all(self) -> tuple[DeviceMesh, ...]:
         """Every mesh whose groups run collectives."""
-        return (*(self.root[name] for name in MESH_DIMS), self.dp, self.fsdp, self.loss)
+        experts = tuple(mesh for mesh in (self.ep, self.expert_fsdp) if mesh is not None)
+        return (*(self.root[name] for name in MESH_DIMS), self.dp, self.fsdp, self.loss, self.dp_cp, *experts)
 
 
 def set_collective_timeout(meshes: Meshes | None, seconds: int) -> None:
@@ -195,15 +215,28 @@ def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes | None:
                             mesh_dim_names=MESH_DIMS)
     dp = root["dp_replicate", "dp_shard"]._flatten("dp")
     loss = root["pp", "dp_replicate", "dp_shard", "cp"]._flatten("loss")
+    dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     if dims.dp_replicate > 1:
         # (replicate, shard x cp) from the flattened replicate x shard x cp, whose rank order it keeps.
-        dp_cp = root["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
         fsdp = dp_cp._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp"))
     else:
         fsdp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
+    ep, expert_fsdp = build_expert_meshes(dims, dp_cp)
     logger.info(f"Device mesh: pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
-                f"{dims.cp} x tp {dims.tp} on {dims.world_size} ranks")
-    return Meshes(root=root, dp=dp, fsdp=fsdp, loss=loss)
+                f"{dims.cp} x tp {dims.tp} on {dims.world_size} ranks"
+                + (f"; experts: ep {dims.ep} x fsdp {dims.expert_fsdp} of the dp_shard x cp ranks" if ep else ""))
+    return Meshes(root=root, dp=dp, fsdp=fsdp, loss=loss, dp_cp=dp_cp, ep=ep, expert_fsdp=expert_fsdp)
+
+
+def build_expert_meshes(dims: ParallelDims, dp_cp: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:
+    """(ep, expert_fsdp) under expert parallel, else (None, None): the dp_replicate x dp_shard x cp ranks
+    unflattened to (dp_replicate, expert_fsdp, ep), EP innermost as torchtitan lays it out, so that the ranks that
+    exchange tokens every layer are neighbours. expert_fsdp is (dp_replicate, expert_fsdp) for HSDP."""
+    if not dims.ep_enabled:
+        return None, None
+    experts = dp_cp._unflatten(0, (dims.dp_replicate, dims.expert_fsdp, dims.ep), ("dp_replicate", "efsdp", "ep"))
+    fsdp = experts["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else experts["efsdp"]
+    return experts["ep"], fsdp
 
 
 def data_parallel_rank(meshes: Meshes | None) -> tuple[int, int]:

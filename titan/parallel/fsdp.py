@@ -36,3 +36,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     logger.info(f"Applied {kind} over {tuple(mesh.shape)} ranks to {num_layers} blocks and the root "
                 f"(params {param_dtype}, reduce {reduce_dtype}, reshard after forward: {reshard_after_forward}"
                 + (", shards, gradients and optimizer state in host memory)" if cpu_offload else ")"))
+
+
+def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+    """Shard every MoE layer's expert-parallel experts over `mesh` (the data-parallel ranks that hold the same
+    experts: the block's FSDP can't, since their weights are already DTensors over ranks of its own mesh), each
+    layer's experts one FSDP unit inside its block's. Their gradients are averaged over `mesh` like any FSDP
+    gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py)."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    units = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+    for experts in units:
+        fully_shard(experts, mesh=mesh, mp_policy=mp_policy)
+    logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers")

@@ -1,4 +1,4 @@
-"""The order in which Titan parallelizes a Llama model."""
+"""The order in which Titan parallelizes a Llama model, in steps that other families' plans reuse."""
 
 from torch import nn
 
@@ -22,11 +22,25 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
     block. `keep_attention`: whether checkpointed blocks keep attention outputs on these ranks
     (titan/parallel/ac.py keeps_attention). `block_causal`: attention stays within documents (context parallel
     must know before the first batch)."""
+    apply_tensor_parallel_step(model, dims, meshes, par)
+    apply_block_wrappers(model, dims, meshes, par, ac, train, compile_cfg, keep_attention, block_causal)
+    apply_data_parallel_step(model, dims, meshes, par, train)
+
+
+def apply_tensor_parallel_step(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism) -> None:
+    """Tensor parallel when its degree is above 1."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
     else:
         logger.info("Tensor parallel: off (--parallelism.tensor_parallel_degree 1)")
+
+
+def apply_block_wrappers(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
+                         ac: ActivationCheckpoint, train: Training, compile_cfg: Compile, keep_attention: bool,
+                         block_causal: bool, fullgraph: bool = True) -> None:
+    """Context parallel, activation checkpointing and compile, each block in that order. `fullgraph`: compile each
+    block as one graph (off where a block reads sizes on the host, as expert parallel's all-to-all does)."""
     if dims.cp_enabled:
         apply_cp(model, meshes.cp, par.context_parallel_rotate_method, block_causal)
     else:
@@ -39,9 +53,14 @@ def parallelize_llama(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
     if train.compile:
-        apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts)
+        apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts, fullgraph=fullgraph)
     else:
         logger.info("torch.compile: off (--training.compile to turn it on)")
+
+
+def apply_data_parallel_step(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,
+                             train: Training) -> None:
+    """FSDP2 (HSDP with replicas) over every block and the root, when there is more than one data-parallel rank."""
     if dims.dp_enabled:
         apply_fsdp(model, meshes.fsdp, param_dtype=to_dtype(train.mixed_precision_param),
                    reduce_dtype=to_dtype(train.mixed_precision_reduce),

@@ -1,4 +1,4 @@
-"""Pipeline parallel: a meta-built Llama split into stages by FQN, each stage parallelized like a whole model, and a
+"""Pipeline parallel: a meta-built Llama or Qwen3 split into stages by FQN, each stage parallelized like a whole model, and a
 torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is the model)."""
 
 from collections.abc import Callable
@@ -13,11 +13,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
-from titan.models.llama.args import ModelArgs
 from titan.models.llama.attention import AttentionMask
 from titan.models.llama.batch import MicroBatch
 from titan.models.llama.loss import OutputLoss
-from titan.models.llama.model import RotaryEmbedding, Transformer
+from titan.models.llama.model import RotaryEmbedding
 from titan.parallel.reductions import as_local
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
@@ -25,14 +24,14 @@ StageExamples = list[tuple[Tensor, Tensor]]
 
 
 class StageModel(nn.Module):
-    """The parts of a Transformer that one pipeline stage runs, under the full model's FQNs (layers.<id>,
+    """The parts of a Transformer (any family's: `args` is its shape) that one pipeline stage runs, under the full model's FQNs (layers.<id>,
     tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first stage takes token ids
     (bs, seq), the last returns logits (bs, seq, padded_vocab) or, given labels, the summed loss (output_loss), the
     others take and return hidden states (bs, seq, dim). Every stage also takes the tokens' positions and document
     ids (Transformer.forward), which the schedule hands each stage. Absent parts are None. Every stage has its own
     rotary table, attention mask and output loss (new ones when not given), which later stages may replace."""
 
-    def __init__(self, args: ModelArgs, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
+    def __init__(self, args: object, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
                  norm: nn.Module | None = None, output: nn.Module | None = None,
                  rope: RotaryEmbedding | None = None) -> None:
         super().__init__()
@@ -58,7 +57,7 @@ class StageModel(nn.Module):
         return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
 
 
-def build_stage_models(model: Transformer, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
+def build_stage_models(model: nn.Module, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
     """The stages `ids` of `model` (still on meta), sharing its modules: each block goes to exactly one stage."""
     last = plan.num_stages - 1
     with torch.device("meta"):
@@ -136,11 +135,36 @@ class Pipeline:
         return loss_sum * self.loss_scale
 
 
-def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, par: Parallelism, local_batch_size: int,
-                   device: torch.device, parallelize: Callable[[nn.Module], None]) -> Pipeline:
+@dataclass(frozen=True)
+class StageShapes:
+    """What crosses a stage boundary for one micro-batch: token ids (microbatch_size, seq_len / cp) into the first
+    stage, the residual stream (microbatch_size, seq_len / (cp x tp), dim) in `residual_dtype` between stages (TP's
+    sequence shard, as a plain tensor), and the last stage's summed loss, a float32 scalar."""
+
+    microbatch_size: int
+    seq_len: int
+    cp: int
+    tp: int
+    dim: int
+    residual_dtype: torch.dtype
+
+
+def stage_examples(shapes: StageShapes, ids: tuple[int, ...], num_stages: int) -> StageExamples:
+    """(input, output) meta tensors of one micro-batch for each stage in `ids`: every stage is told its shapes, so
+    none runs a forward on placeholder tensors to learn them (torch's shape inference would, at the first step and
+    after every evaluation, and a mixture of experts would count those placeholder tokens as routed)."""
+    with torch.device("meta"):
+        tokens = torch.empty(shapes.microbatch_size, shapes.seq_len // shapes.cp, dtype=torch.int64)
+        hidden = torch.empty(shapes.microbatch_size, shapes.seq_len // (shapes.cp * shapes.tp), shapes.dim,
+                             dtype=shapes.residual_dtype, requires_grad=True)
+        loss = torch.empty((), dtype=torch.float32, requires_grad=True)
+    return [(tokens if stage == 0 else hidden, loss if stage == num_stages - 1 else hidden) for stage in ids]
+
+
+def build_pipeline(model: nn.Module, pp_mesh: DeviceMesh, par: Parallelism, local_batch_size: int,
+                   device: torch.device, parallelize: Callable[[nn.Module], None], shapes: StageShapes) -> Pipeline:
     """Split `model` (on meta) into this rank's stages, parallelize each with `parallelize` (TP, CP, AC, compile,
-    FSDP, as a whole model would be), and build the schedule over them. The stages learn their neighbours' shapes
-    during the first step (apply_stage_shapes gives them up front)."""
+    FSDP, as a whole model would be), and build the schedule over them, each stage told its `shapes`."""
     schedule_name = par.pipeline_parallel_schedule
     num_microbatches = local_batch_size // par.pipeline_parallel_microbatch_size
     num_layers, pp = model.args.n_layers, pp_mesh.size()
@@ -154,20 +178,18 @@ def build_pipeline(model: Transformer, pp_mesh: DeviceMesh, par: Parallelism, lo
         parallelize(part)
     pipeline = Pipeline(parts=parts, stage_ids=ids, num_stages=num_stages, num_microbatches=num_microbatches,
                         schedule_name=schedule_name, pp_mesh=pp_mesh, device=device)
-    pipeline.schedule = build_schedule(pipeline, example_io=None)
+    pipeline.schedule = build_schedule(pipeline, stage_examples(shapes, ids, num_stages))
     return pipeline
 
 
-def build_schedule(pipeline: Pipeline, example_io: StageExamples | None) -> _PipelineSchedule:
+def build_schedule(pipeline: Pipeline, example_io: StageExamples) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over the pipeline's stages. Gradients are not rescaled by the
     schedule (scale_grads=False): the step scales each micro-batch's loss by the step's valid targets itself, since
     the schedule's rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's (input,
-    output) of one micro-batch, so that the stages need not learn their shapes from their neighbours; None: torch
-    infers them during the first step."""
-    examples = example_io or [(None, None)] * len(pipeline.parts)
+    output) of one micro-batch, so that the stages need not learn their shapes by running."""
     stages = [PipelineStage(part, stage_id, pipeline.num_stages, pipeline.device, input_args=example_in,
                             output_args=example_out, group=pipeline.pp_mesh.get_group())
-              for part, stage_id, (example_in, example_out) in zip(pipeline.parts, pipeline.stage_ids, examples)]
+              for part, stage_id, (example_in, example_out) in zip(pipeline.parts, pipeline.stage_ids, example_io)]
     schedule_class = get_schedule_class(pipeline.schedule_name)
     if issubclass(schedule_class, PipelineScheduleSingle):
         return schedule_class(stages[0], n_microbatches=pipeline.num_microbatches, loss_fn=pipeline.scaled_loss,
@@ -176,18 +198,11 @@ def build_schedule(pipeline: Pipeline, example_io: StageExamples | None) -> _Pip
                           scale_grads=False)
 
 
-def apply_stage_shapes(pipeline: Pipeline, example_io: StageExamples) -> None:
-    """Rebuild the pipeline's schedule over the same stages, telling each stage its shapes instead of letting it
-    learn them from the neighbouring ranks in the first step: for a rank that has no neighbours to ask (a dry run's
-    fake process group)."""
-    pipeline.schedule = build_schedule(pipeline, example_io)
-    declare_static_shapes(pipeline.schedule)
-
-
 def declare_static_shapes(schedule: _PipelineSchedule) -> None:
     """torch 2.13's schedules vote over point-to-point sends whether every stage was given its shapes (static) or
-    must infer them; without peers to vote with, this rank's stages, which were given theirs, are declared static
-    directly. torch 2.11 and 2.12 have no vote and skip inference for stages given their shapes."""
+    must infer them; without peers to vote with (a dry run's fake process group), this rank's stages, which were
+    given theirs, are declared static directly. torch 2.11 and 2.12 have no vote and skip inference for stages given
+    their shapes."""
     if not hasattr(schedule, "_warmup_p2p"):
         return
     from torch.distributed.pipelining._utils import InferenceMode

@@ -15,10 +15,17 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh
     """The global gradient norm over every shard on every mesh and, with `pp_mesh`, every pipeline stage; the
     gradients are clipped to `max_norm` when it is positive. Returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(total_norm, DTensor):
+    # One norm per mesh: DTensor ops can't mix meshes, and expert-parallel experts live on another mesh than the
+    # rest of the model.
+    by_mesh: dict[DeviceMesh | None, list[Tensor]] = {None: []}
+    for param in params:
+        by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param.grad)
+    norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
-        total_norm = total_norm.full_tensor()
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
     if pp_mesh is not None:
         # Each stage holds different parameters: the squared norms add up across the pipeline.
         total_norm = funcol.all_reduce(total_norm**2, reduceOp="sum", group=pp_mesh) ** 0.5

@@ -10,11 +10,14 @@ from torch import nn
 from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
 from titan.metrics.log import logger
+from titan.models.qwen3.moe import GroupedExperts
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.formats import MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
 
+# A mixture of experts' router (titan/models/qwen3/moe.py Router.gate): kept in high precision whatever the recipe.
+ROUTER_SUFFIX = ".router.gate"
 # Float8 matmul kernels (cuBLASLt, torch._scaled_mm) need both weight dims divisible by 16.
 FLOAT8_DIM_MULTIPLE = 16
 
@@ -39,7 +42,9 @@ class LayerDecision:
 
 
 def filter_reason(fqn: str, filter_fqns: list[str], flag: str) -> str | None:
-    """The skip reason when `fqn` contains one of the `flag` substrings, else None."""
+    """The skip reason when `fqn` is a router or contains one of the `flag` substrings, else None."""
+    if fqn.endswith(ROUTER_SUFFIX):
+        return "skipped: a router (its logits pick the experts; low precision would change the routing)"
     matched = [pattern for pattern in filter_fqns if pattern in fqn]
     return f"skipped: matches {flag} {matched[0]!r}" if matched else None
 
@@ -130,6 +135,16 @@ def merge_decisions(decisions: list[LayerDecision]) -> list[LayerDecision]:
     return list(by_fqn.values())
 
 
+def experts_note(model: nn.Module) -> str:
+    """The report's line on a mixture of experts' experts, which are stacked weights rather than linears: they stay
+    in high precision (no grouped low-precision matmul here yet)."""
+    experts = [fqn for fqn, module in model.named_modules() if isinstance(module, GroupedExperts)]
+    if not experts:
+        return ""
+    return (f"\nThe experts of {len(experts)} MoE layers ({experts[0]}, ...) stay in high precision: grouped "
+            f"expert matmuls have no float8 or MX recipe here.")
+
+
 def format_report(decisions: list[LayerDecision]) -> str:
     """The conversion report as a table: one row per linear layer."""
     width = max([len(d.fqn) for d in decisions] + [5])
@@ -170,7 +185,7 @@ def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx
         decisions += apply_mx(model, mx, tp_degree)
     decisions = merge_decisions(decisions)
     if decisions:
-        logger.info(f"Model conversion report:\n{format_report(decisions)}")
+        logger.info(f"Model conversion report:\n{format_report(decisions)}{experts_note(model)}")
     float8_all_gather = "float8" in converters and float8.enable_fsdp_float8_all_gather and fsdp_enabled
     if float8_all_gather:
         apply_float8_all_gather(model)

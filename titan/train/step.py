@@ -1,7 +1,8 @@
 """What a training step runs on, built in the pipeline's order, and the step itself.
 
 build_training_step goes from the device mesh to the optimizer: model args, the loss, the model built on meta,
-converters, pipeline stages, TP/CP/AC/compile/FSDP (titan/parallel/llama.py), weights, optimizer and LR schedule.
+converters, pipeline stages, TP/EP/CP/AC/compile/FSDP (the family's plan in titan/parallel/plans.py), weights, optimizer
+and LR schedule.
 The trainer (titan/train/trainer.py) builds it and adds data, checkpoints and metrics around it; the dry run
 (titan/estimate/simulate.py) builds the same on fake tensors. A stage added here is in both.
 """
@@ -14,28 +15,26 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
-from titan.models.llama.args import ModelArgs, build_model_args
-from titan.models.llama.flops import flops_per_token, num_params
-from titan.models.llama.init import init_weights
+from titan.models.families import FAMILIES, BuildOptions, ModelFamily
 from titan.models.llama.attention import document_layout, sequence_positions
 from titan.models.llama.batch import MicroBatch
+from titan.models.llama.flops import num_params
 from titan.models.llama.loss import mask_cross_document_targets, num_valid_targets
-from titan.models.llama.model import Transformer
 from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.init import apply_full_init, needs_full_init
-from titan.parallel.llama import parallelize_llama
-from titan.parallel.pp import Pipeline, build_pipeline, merge_stage_models
+from titan.parallel.plans import PARALLELIZE_PLANS
+from titan.parallel.pp import Pipeline, StageShapes, build_pipeline, merge_stage_models
 from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
 from titan.parallel.tp import loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
 from titan.train.bf16_state import local
+from titan.train.expert_balance import NO_EXPERT_METRICS, ExpertBalancer, build_expert_balancer
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
 
@@ -52,7 +51,9 @@ def set_seed(seed: int, deterministic: bool) -> None:
 class ModelParts:
     """This rank's model after the build, and the facts about the whole model that metrics and checkpoints need."""
 
-    args: ModelArgs
+    family: ModelFamily
+    args: object
+    """The family's shape (llama.ModelArgs, qwen3.Qwen3Args)."""
     parts: list[nn.Module]
     """The modules this rank runs: its pipeline stages in order, or the whole model as one part."""
     model: nn.Module
@@ -61,9 +62,11 @@ class ModelParts:
     """The schedule over the parts, under pipeline parallel."""
     conversion: Conversion
     fqns: frozenset[str]
-    """The whole model's parameter FQNs, on every rank."""
+    """The whole model's state-dict keys (parameters and persistent buffers), on every rank."""
     num_params: int
     """Parameters of the whole model."""
+    num_active_params: int
+    """Parameters one token uses (fewer than num_params in a mixture of experts): what its FLOPs count."""
     flops_per_token: int
 
 
@@ -77,13 +80,15 @@ class TrainingStep:
     meshes: Meshes | None
     device: torch.device
     model_parts: ModelParts
-    bos_id: int | None
-    """Block-causal attention: the token that starts a document; None: causal."""
+    eos_id: int | None
+    """Block-causal attention: the token that ends a document; None: causal."""
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_accumulation_steps: int
     loss_parallel: bool
     """The loss takes vocab-sharded logits (TP without --parallelism.disable_loss_parallel)."""
+    balancer: ExpertBalancer | None = None
+    """A mixture of experts' token counts and routing biases, read after every optimizer step."""
 
     @property
     def model(self) -> nn.Module:
@@ -112,11 +117,11 @@ class TrainingStep:
     def micro_batch(self, inputs: Tensor, labels: Tensor) -> MicroBatch:
         """A (bs, seq) batch of the loader as this rank's model reads it: document layout and masked targets under
         block-causal attention, then this rank's context-parallel shard."""
-        if self.bos_id is None:
+        if self.eos_id is None:
             positions, document_ids = sequence_positions(inputs), None
         else:
-            positions, document_ids = document_layout(inputs, self.bos_id)
-            labels = mask_cross_document_targets(labels, self.bos_id)
+            positions, document_ids = document_layout(inputs, self.eos_id)
+            labels = mask_cross_document_targets(inputs, labels, self.eos_id)
         cp_mesh = self.meshes.cp if self.dims.cp_enabled else None
         return MicroBatch(*shard_batch(cp_mesh, inputs, labels, positions, document_ids))
 
@@ -195,6 +200,13 @@ class TrainingStep:
         elif not skip.item():  # foreach and for-loop Adam have no found_inf: the host waits for the flag
             self.optimizer.step()
         self.model_parts.conversion.after_optimizer_step(self.model)
+        if self.balancer is not None:
+            self.balancer.after_optimizer_step(skip)
+
+    def model_metrics(self) -> dict[str, object]:
+        """What the model reports about the last step beyond the loss (a mixture of experts' load), for the
+        metrics record; None values for a dense model. Reads the device."""
+        return self.balancer.load_metrics() if self.balancer is not None else dict(NO_EXPERT_METRICS)
 
     def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks
@@ -214,10 +226,10 @@ class TrainingStep:
         return loss_sum, num_valid_targets(micro_batch.labels).float()
 
 
-def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int, bos_id: int,
+def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int, eos_id: int,
                         fake_mode: FakeTensorMode | None = None) -> TrainingStep:
     """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
-    its process group. `bos_id`: the tokenizer's BOS, which starts every document (block-causal attention).
+    its process group. `eos_id`: the tokenizer's EOS, which ends every document (block-causal attention).
     `fake_mode`: the dry run's fake tensors, from the weights on (titan/estimate/simulate.py).
     There the weights get storage but no values (trunc_normal_ reads data, which fake tensors have none of), and
     torch.compile stays off (it runs real kernels), while checkpointed blocks keep attention as the simulated GPU
@@ -233,17 +245,21 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         attn_backend, block_causal = "sdpa", False
         logger.info("Dry run: FlexAttention is simulated by causal flash attention (same memory; its causal half of "
                     "the attention FLOPs bounds block-causal work from above).")
-    args = build_model_args(cfg.model.flavor, vocab_size, cfg.model.vocab_size_multiple_of, cfg.training.seq_len,
-                            attn_backend, cfg.training.loss_chunk_size)
     accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
+    family = FAMILIES[cfg.model.name]
+    args = family.build_args(cfg.model.flavor, BuildOptions(
+        vocab_size=vocab_size, vocab_size_multiple_of=cfg.model.vocab_size_multiple_of,
+        max_seq_len=cfg.training.seq_len, attn_backend=attn_backend, loss_chunk_size=cfg.training.loss_chunk_size,
+        moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
+        moe_load_balance_coeff=cfg.moe.load_balance_coeff))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.training.compile,
                                      on_gpu=device.type == "cuda" or fake_mode is not None)
-    parallelize = functools.partial(parallelize_llama, dims=dims, meshes=meshes, par=cfg.parallelism,
+    parallelize = functools.partial(PARALLELIZE_PLANS[family.name], dims=dims, meshes=meshes, par=cfg.parallelism,
                                     ac=cfg.activation_checkpoint, train=training, compile_cfg=cfg.compile,
                                     keep_attention=keep_attention,
                                     block_causal=block_causal)
-    model_parts = build_model(cfg, dims, meshes, args, device, parallelize)
+    model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
     with fake_mode or contextlib.nullcontext():
         if fake_mode is None:
             init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled)
@@ -254,8 +270,18 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         optimizer = build_optimizer(model_parts.model, cfg.optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     return TrainingStep(train_cfg=training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
-                        bos_id=bos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel)
+                        eos_id=eos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
+                        balancer=build_expert_balancer(model_parts.model, cfg.moe.load_balance_coeff,
+                                                       meshes.dp_cp if meshes is not None else None))
+
+
+def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:
+    """Forward passes each layer makes per optimizer step: one per accumulation step, or under pipeline parallel
+    one per pipeline micro-batch of each."""
+    if cfg.parallelism.pipeline_parallel_degree == 1:
+        return accumulation_steps
+    return accumulation_steps * cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
 
 
 def count_accumulation_steps(training: Training, dp_degree: int) -> int:
@@ -268,55 +294,61 @@ def count_accumulation_steps(training: Training, dp_degree: int) -> int:
     return steps
 
 
-def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, args: ModelArgs, device: torch.device,
-                parallelize: Callable[[nn.Module], None]) -> ModelParts:
+def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, family: ModelFamily, args: object,
+                device: torch.device, parallelize: Callable[[nn.Module], None]) -> ModelParts:
     """The model built on meta, converted, split into this rank's pipeline stages (with the schedule) and
     parallelized; not yet materialised."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = family.model(args)
     total_params = num_params(model, exclude_embedding=False)
-    logger.info(f"Model llama3 {cfg.model.flavor}: {total_params:,} parameters, dim {args.dim}, {args.n_layers} "
-                f"layers, {args.n_heads} heads ({args.n_kv_heads} kv), vocab {args.vocab_size} (padded to "
-                f"{model.tok_embeddings.num_embeddings})")
-    fqns = frozenset(fqn for fqn, _ in model.named_parameters())
-    flops = flops_per_token(args, num_params(model, exclude_embedding=True), cfg.training.seq_len)
+    logger.info(family.describe(cfg.model.flavor, args, model))
+    fqns = frozenset(model.state_dict())  # parameters and persistent buffers (a router's expert bias)
+    flops = family.flops_per_token(args, model, cfg.training.seq_len)
     conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, dims.tp,
                                   fsdp_enabled=dims.dp_enabled, print_after_conversion=cfg.model.print_after_conversion)
     if dims.pp_enabled:
+        # The residual stream crosses stages in FSDP's compute dtype; autocast without FSDP keeps it float32.
+        residual_dtype = to_dtype(cfg.training.mixed_precision_param) if dims.dp_enabled else torch.float32
+        shapes = StageShapes(microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
+                             seq_len=cfg.training.seq_len, cp=dims.cp, tp=dims.tp, dim=args.dim,
+                             residual_dtype=residual_dtype)
         pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, device,
-                                  parallelize)
+                                  parallelize, shapes)
         parts, whole = pipeline.parts, merge_stage_models(pipeline.parts)
     else:
         parallelize(model)
         pipeline, parts, whole = None, [model], model
-    return ModelParts(args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion, fqns=fqns,
-                      num_params=total_params, flops_per_token=flops)
+    return ModelParts(family=family, args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion, fqns=fqns,
+                      num_params=total_params, num_active_params=family.num_active_params(args, model),
+                      flops_per_token=flops)
 
 
 def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int, pipelined: bool) -> None:
     """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
     parts = model_parts.parts
+    family = model_parts.family
     if needs_full_init(parts[0], device, pipelined):
-        full = build_full_model(model_parts.args, device, seed)
+        full = build_full_model(family, model_parts.args, device, seed)
         for part in parts:
             part.to_empty(device=device)
+            family.tie_weights(part)
             apply_full_init(part, full)
     else:
         for part in parts:
-            materialize(part, device)
+            materialize(family, part, device)
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-built model on the device and fill it with init_weights."""
+def materialize(family: ModelFamily, model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-built model on the device and fill it with the family's init_weights."""
     model.to_empty(device=device)
     with torch.no_grad():
-        init_weights(model, buffer_device=device)
+        family.init_weights(model, device)
 
 
-def build_full_model(args: ModelArgs, device: torch.device, seed: int) -> Transformer:
+def build_full_model(family: ModelFamily, args: object, device: torch.device, seed: int) -> nn.Module:
     """An unsharded copy initialised exactly as a single process would initialise it."""
     torch.manual_seed(seed)
     with torch.device("meta"):
-        full = Transformer(args)
-    materialize(full, device)
+        full = family.model(args)
+    materialize(family, full, device)
     return full

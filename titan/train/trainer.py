@@ -91,7 +91,7 @@ class Trainer:
                          cpu_collectives=cfg.training.enable_cpu_offload)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
-                                            self.tokenizer.bos_id)
+                                            self.tokenizer.eos_id)
         set_collective_timeout(self.training.meshes, cfg.comm.init_timeout_seconds)
 
         dp_rank, dp_degree = data_parallel_rank(self.training.meshes)
@@ -286,6 +286,7 @@ class Trainer:
         record["gc_pause_s"] = self.collector.take_pause_seconds()
         tokens_by_source = pending.tokens_by_source
         record["tokens_by_source"] = tokens_by_source if tokens_by_source and len(tokens_by_source) > 1 else None
+        record.update(self.training.model_metrics())
         self.write_record(record)
         self.last_logged = step
 

@@ -62,6 +62,11 @@ class ModelArgs:
     loss_chunk_size: int = 1024
     """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
 
+    @property
+    def head_dim(self) -> int:
+        """Channels per attention head: Llama splits dim evenly over its heads."""
+        return self.dim // self.n_heads
+
 
 def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:
     """Round vocab_size up to a multiple of multiple_of: 2256 with 64 gives 2304."""

@@ -1,6 +1,7 @@
 """The attention kernels of a Llama block, and the documents of a packed sequence they may keep apart.
 
-Sequences are windows of documents packed back to back, each document starting with BOS. Causal attention lets a
+Sequences are windows of documents packed back to back, each document ending with EOS (and starting with BOS where
+the tokenizer has one: Llama 3's does, Qwen3's doesn't, so the EOS is what marks a boundary). Causal attention lets a
 token read every earlier token of its sequence; block-causal attention only the earlier tokens of its own document
 (Llama 3's recipe), with rotary positions that restart at every document. `document_layout` reads both from the
 token ids; the model takes them as inputs, so a later stage can shard them with the tokens (context parallel) or
@@ -24,12 +25,13 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 AttnBackend = Literal["sdpa", "flex"]
 
 
-def document_layout(tokens: Tensor, bos_id: int) -> tuple[Tensor, Tensor]:
-    """(positions, document ids) of token ids (bs, seq), each (bs, seq) int64: a document starts at every BOS and
-    at the window's first token (a document cut by the window's start), its positions count from 0 there, and
-    document ids count the documents of each row from 0."""
+def document_layout(tokens: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
+    """(positions, document ids) of token ids (bs, seq), each (bs, seq) int64: a document starts right after every
+    EOS and at the window's first token (a document cut by the window's start), its positions count from 0 there,
+    and document ids count the documents of each row from 0."""
     bs, seq = tokens.shape
-    starts = tokens == bos_id
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 1:] = tokens[:, :-1] == eos_id
     starts[:, 0] = True
     index = torch.arange(seq, device=tokens.device).expand(bs, seq)
     last_start = torch.where(starts, index, 0).cummax(dim=1).values  # (bs, seq): where each token's document starts

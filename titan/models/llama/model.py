@@ -5,6 +5,7 @@ Hugging Face checkpoints use the rotate-half layout, so importing them needs wq/
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ def precompute_rope_cache(args: ModelArgs) -> Tensor:
     """cos and sin of position * freq for every position up to max_seq_len and every channel pair of a head:
     fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
     Real tables rather than Meta's complex e^(i * position * freq): inductor generates no code for complex ops."""
-    head_dim = args.dim // args.n_heads
+    head_dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     if args.rope_scaling is not None:
         freqs = scale_rope_frequencies(freqs, args.rope_scaling)
@@ -86,18 +87,24 @@ class Attention(nn.Module):
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.head_dim = args.dim // args.n_heads
+        self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.inner_attention = build_inner_attention(args.attn_backend)
 
-    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (bs, seq, dim) -> q, k, v, each (bs, seq, its local heads, head_dim), before the rotation."""
         bs, seq, _ = x.shape
         q = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_heads, head_dim): -1 since TP may shard heads
         k = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
         v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
+        return q, k, v
+
+    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
+        bs, seq, _ = x.shape
+        q, k, v = self.heads(x)
         q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
         # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
         out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
@@ -141,14 +148,15 @@ class Transformer(nn.Module):
     meaningless, so the losses and user_logits drop them.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, block: Callable[[ModelArgs], nn.Module] = TransformerBlock) -> None:
+        """`block` builds each block from args: another family's decoder (Qwen3's) is this one with its own."""
         super().__init__()
         self.args = args
         self.vocab_size = args.vocab_size
         padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
         self.tok_embeddings = nn.Embedding(padded_vocab, args.dim)
         self.rope = RotaryEmbedding(args)
-        self.layers = nn.ModuleDict({str(layer_id): TransformerBlock(args) for layer_id in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(layer_id): block(args) for layer_id in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.output = nn.Linear(args.dim, padded_vocab, bias=False)
         self.attention_mask = AttentionMask(args.attn_backend)
@@ -172,10 +180,3 @@ class Transformer(nn.Module):
         """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""
         return self(tokens)[..., : self.vocab_size]
 
-
-def linear_fqns(args: ModelArgs) -> list[str]:
-    """FQNs of the linear layers of a model of `args`, from a build on the meta device (no memory, a few ms even
-    for 405B): what a converter's --*.filter_fqns entries are matched against."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]

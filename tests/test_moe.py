@@ -1,0 +1,267 @@
+"""Qwen3's mixture of experts: routing, the grouped matmuls, the load-balancing loss and bias, expert parallel's
+token exchange, and the family's shapes against the published Qwen3 sizes."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan.config.check import load_job_config
+from titan.config.errors import ConfigError
+from titan.config.job import MX, Float8
+from titan.models.llama.flops import num_params
+from titan.models.qwen3 import QWEN3_FLAVORS, MoE, MoEArgs, Transformer, init_weights, num_active_params
+from titan.models.qwen3 import moe as moe_module
+from titan.models.qwen3.moe import GroupedExperts, Router, grouped_swiglu, load_balancing_loss
+from titan.parallel.dims import resolve_dims
+from titan.parallel.ep import expert_major_order
+from titan.train.expert_balance import ExpertBalancer
+from titan.quant.convert import apply_converters
+from torchrun import run_torchrun
+
+# Published sizes (the Qwen3 technical report, arXiv:2505.09388, and each model card): total, non-embedding (the
+# embedding and, untied, the output left out) and, for MoE, activated parameters, in billions as printed.
+PUBLISHED = {
+    "0.6B": (0.6, 0.44, None), "1.7B": (1.7, 1.4, None), "4B": (4.0, 3.6, None), "8B": (8.2, 6.95, None),
+    "14B": (14.8, 13.2, None), "32B": (32.8, 31.2, None), "30B-A3B": (30.5, 29.9, 3.3),
+    "235B-A22B": (235, 234, 22),
+}
+
+
+@pytest.mark.parametrize("flavor", sorted(PUBLISHED))
+def test_parameter_counts_match_the_published_ones(flavor: str) -> None:
+    args = QWEN3_FLAVORS[flavor]
+    with torch.device("meta"):
+        model = Transformer(args)
+    total = num_params(model, exclude_embedding=False)
+    vocab_rows = model.tok_embeddings.weight.numel() * (1 if args.tie_embeddings else 2)
+    published_total, published_non_embedding, published_active = PUBLISHED[flavor]
+
+    def matches(count: int, published: float) -> bool:
+        # Printed to the last digit shown (0.44B, 6.95B, 235B), rounded or cut off (3.35B active is "3.3B"): at
+        # most half a unit of that digit below, and less than one above.
+        digits = str(published).split(".")
+        unit = 10 ** -len(digits[1]) if len(digits) > 1 else 1
+        return published - unit / 2 <= count / 1e9 < published + unit
+
+    assert matches(total, published_total)
+    assert matches(total - vocab_rows, published_non_embedding)
+    if published_active is not None:
+        assert matches(num_active_params(model, args, exclude_embedding=False), published_active)
+
+
+def test_tied_flavors_share_one_matrix() -> None:
+    with torch.device("meta"):
+        tied, untied = Transformer(QWEN3_FLAVORS["0.6B"]), Transformer(QWEN3_FLAVORS["8B"])
+    assert tied.output.weight is tied.tok_embeddings.weight
+    assert untied.output.weight is not untied.tok_embeddings.weight
+
+
+MOE = MoEArgs(num_experts=4, top_k=2, hidden_dim=16)
+
+
+def build_moe(args: MoEArgs = MOE, dim: int = 8, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    layer = MoE(dim, args)
+    for weight in (layer.router.gate.weight, layer.experts.w1, layer.experts.w2, layer.experts.w3):
+        torch.nn.init.normal_(weight, std=0.5)
+    return layer
+
+
+def dense_moe_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, each token's output the routed experts' outputs weighted by the router: the
+    definition, with none of the sorting, grouping or scattering."""
+    tokens = x.reshape(-1, x.size(-1))
+    weights, experts, _ = layer.router(tokens)
+    outputs = torch.stack([grouped_swiglu(tokens, torch.tensor([tokens.size(0)]), layer.experts.w1[e:e + 1],
+                                          layer.experts.w2[e:e + 1], layer.experts.w3[e:e + 1])
+                           for e in range(layer.experts.num_experts)], dim=1)  # (tokens, experts, dim)
+    picked = outputs.gather(1, experts[..., None].expand(-1, -1, tokens.size(-1)))  # (tokens, top_k, dim)
+    return (picked * weights[..., None]).sum(dim=1).view_as(x)
+
+
+def test_moe_matches_every_expert_on_every_token() -> None:
+    layer = build_moe()
+    x = torch.randn(2, 5, 8)
+    torch.testing.assert_close(layer(x), dense_moe_reference(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_router_renormalises_the_top_k_and_the_bias_only_steers_the_choice() -> None:
+    router = Router(8, dataclasses.replace(MOE, load_balance_coeff=1e-3))
+    torch.nn.init.normal_(router.gate.weight)
+    x = torch.randn(6, 8)
+    weights, experts, probs = router(x)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(6))
+    torch.testing.assert_close(weights, probs.gather(-1, experts) / probs.gather(-1, experts).sum(-1, keepdim=True))
+    # A bias large enough to force experts 2 and 3: the choice follows it, the weights stay the probabilities'.
+    router.expert_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 20.0]))
+    weights, experts, probs = router(x)
+    assert (experts == torch.tensor([3, 2])).all()
+    torch.testing.assert_close(weights, probs[:, [3, 2]] / probs[:, [3, 2]].sum(-1, keepdim=True))
+    unnormalised = Router(8, dataclasses.replace(MOE, norm_topk_prob=False))
+    unnormalised.gate.weight.data.copy_(router.gate.weight)
+    weights, experts, probs = unnormalised(x)
+    torch.testing.assert_close(weights, probs.gather(-1, experts))
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 7], [0, 0, 10], [10, 0, 0]], ids=["middle-empty", "first-empty", "one"])
+def test_grouped_matmuls_match_the_loop_over_experts(monkeypatch: pytest.MonkeyPatch, counts: list[int]) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(10, 16, requires_grad=True)
+    weights = [torch.randn(3, 8, 16, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True),
+               torch.randn(3, 8, 16, requires_grad=True)]
+    upstream = torch.randn(10, 16)
+
+    def run() -> list[torch.Tensor]:
+        for tensor in (x, *weights):
+            tensor.grad = None
+        out = grouped_swiglu(x, torch.tensor(counts), *weights)
+        (out * upstream).sum().backward()
+        return [out.detach(), x.grad, *(w.grad for w in weights)]
+
+    assert moe_module.grouped_mm_supported(x)  # torch._grouped_mm on the CPU
+    grouped = run()
+    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda x: False)
+    for got, want in zip(grouped, run()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_load_balancing_loss_by_hand() -> None:
+    # 4 tokens, 2 experts, top 1: expert 0 gets 3 tokens, expert 1 one.
+    probs = torch.tensor([[0.9, 0.1], [0.6, 0.4], [0.7, 0.3], [0.2, 0.8]])
+    counts = torch.tensor([3.0, 1.0])
+    # num_experts x sum_e (tokens to e / tokens) x mean probability of e = 2 x (3/4 x 0.6 + 1/4 x 0.4) = 1.1
+    assert load_balancing_loss(probs, counts).item() == pytest.approx(1.1)
+    # Perfect balance gives top_k (here 1), its minimum.
+    even = torch.tensor([[0.5, 0.5]] * 4)
+    assert load_balancing_loss(even, torch.tensor([2.0, 2.0])).item() == pytest.approx(1.0)
+
+
+def test_auxiliary_loss_reaches_the_router_without_changing_the_output() -> None:
+    weight = 0.25
+    with_loss = build_moe(dataclasses.replace(MOE, aux_loss_weight=weight))
+    without = build_moe()
+    x = torch.randn(2, 6, 8)
+    upstream = torch.randn(2, 6, 8)
+    out = with_loss(x)
+    torch.testing.assert_close(out, without(x))
+    (out * upstream).sum().backward()
+    # The same gradient as adding weight x the layer's loss to the objective by hand.
+    tokens = x.reshape(-1, 8)
+    weights_, experts, probs = without.router(tokens)
+    counts = torch.bincount(experts.flatten(), minlength=4).float()
+    objective = (without(x) * upstream).sum() + weight * load_balancing_loss(probs, counts)
+    objective.backward()
+    torch.testing.assert_close(with_loss.router.gate.weight.grad, without.router.gate.weight.grad)
+    assert with_loss.router.gate.weight.grad.ne(0).any()
+
+
+def test_token_counts_skip_forwards_without_gradients() -> None:
+    layer = build_moe()
+    x = torch.randn(2, 5, 8)
+    layer(x)
+    assert layer.tokens_per_expert.sum().item() == 2 * 5 * 2  # every token's top 2
+    with torch.no_grad():
+        layer(x)  # evaluation, or a pipeline stage's shape inference
+    layer.eval()
+    layer(x)
+    assert layer.tokens_per_expert.sum().item() == 20
+
+
+def test_balancer_moves_biases_towards_the_mean_and_resets_the_counts() -> None:
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.Module()})})
+    model.layers["0"].moe = build_moe(dataclasses.replace(MOE, load_balance_coeff=0.01))
+    layer = model.layers["0"].moe
+    layer.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
+    balancer = ExpertBalancer(model, coeff=0.01, dp_cp_mesh=None)
+    balancer.after_optimizer_step(skip=torch.tensor(True))  # a skipped update leaves the bias
+    torch.testing.assert_close(layer.router.expert_bias, torch.zeros(4))
+    assert layer.tokens_per_expert.sum() == 0
+    layer.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
+    balancer.after_optimizer_step(skip=None)
+    torch.testing.assert_close(layer.router.expert_bias, torch.tensor([-0.01, 0.01, 0.0, 0.0]))
+    metrics = balancer.load_metrics()
+    assert metrics["moe_imbalance"] == pytest.approx(6 / 4)
+    assert metrics["tokens_per_expert"] == {"layers.0": [6, 2, 4, 4]}
+
+
+def test_received_tokens_are_regrouped_by_expert() -> None:
+    # 2 ranks x 2 local experts; rank 0 sent 1 token to expert 0 and 2 to expert 1, rank 1 sent 3 and 0.
+    order = expert_major_order(torch.tensor([1, 2, 3, 0]), ep=2, local=2, num_rows=6)
+    # rows: r0e0 (0) | r0e1 (1, 2) | r1e0 (3, 4, 5) -> e0: 0, 3, 4, 5 then e1: 1, 2
+    assert order.tolist() == [0, 3, 4, 5, 1, 2]
+
+
+def test_every_token_reaches_its_experts_once_across_ep_ranks(tmp_path: Path) -> None:
+    """Outputs, input gradients and expert gradients of 2 EP ranks equal the whole experts' on each rank's tokens,
+    with experts that get no token and a rank whose experts get none from the other."""
+    result = tmp_path / "ep.pt"
+    run_torchrun("ep_harness.py", 2, str(result))
+    for rank, routings in enumerate(torch.load(result)):
+        for name, got in routings.items():
+            for key in ("out", "x_grad", "w1_grad", "w2_grad", "w3_grad"):
+                torch.testing.assert_close(got[key], got[f"want_{key}"], rtol=1e-5, atol=1e-5,
+                                           msg=f"rank {rank}, routing {name}, {key}")
+
+
+def test_a_flavor_initialises_every_parameter() -> None:
+    args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], vocab_size=2256, max_seq_len=32, n_layers=2)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    for param in model.parameters():
+        param.data.fill_(float("nan"))
+    init_weights(model, "cpu")
+    assert all(param.isfinite().all() for param in model.parameters())
+    tokens = torch.randint(0, 2256, (2, 16))
+    assert model(tokens, labels=tokens).isfinite()
+
+
+QWEN3 = ["--model.name", "qwen3"]
+MOE_FLAVOR = [*QWEN3, "--model.flavor", "debugmodel_moe"]
+
+
+@pytest.mark.parametrize("flags, world_size, expected", [
+    (["--model.flavor", "debugmodel_moe"], 1, "--model.flavor debugmodel_moe is not a flavor of --model.name llama3 "
+                                              "(it is a qwen3 flavor)"),
+    ([*QWEN3, "--model.flavor", "70B"], 1, "--model.flavor 70B is not a flavor of --model.name qwen3 (it is a llama3"),
+    ([*QWEN3, "--parallelism.expert_parallel_degree", "2"], 2,
+     "--parallelism.expert_parallel_degree 2 needs a mixture-of-experts flavor"),
+    ([*QWEN3, "--moe.aux_loss_weight", "0.001"], 1, "--moe.aux_loss_weight 0.001 only applies to mixture-of-experts"),
+    ([*MOE_FLAVOR, "--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+      "--parallelism.data_parallel_replicate_degree", "2"], 2,
+     "--parallelism.expert_parallel_degree 2 must divide --parallelism.data_parallel_shard_degree 1"),
+    ([*MOE_FLAVOR, "--parallelism.expert_parallel_degree", "3"], 3, "must divide the 8 experts"),
+    ([*MOE_FLAVOR, "--parallelism.tensor_parallel_degree", "2"], 2,
+     "--parallelism.tensor_parallel_degree 2 does not combine with the mixture-of-experts flavor"),
+    ([*QWEN3, "--model.flavor", "0.6B", "--parallelism.pipeline_parallel_degree", "2"], 2,
+     "--model.flavor 0.6B ties its output layer to the token embedding"),
+], ids=["llama-without-moe-flavor", "qwen3-without-70b", "ep-on-dense", "aux-on-dense", "ep-beyond-dp-shard",
+        "ep-not-dividing-experts", "moe-with-tp", "tied-with-pp"])
+def test_family_and_expert_layout_mistakes_are_config_errors(flags: list[str], world_size: int,
+                                                             expected: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_job_config(flags, world_size=world_size)
+    assert expected in str(error.value)
+
+
+def test_expert_parallel_borrows_data_parallel_ranks() -> None:
+    cfg = load_job_config([*MOE_FLAVOR, "--parallelism.expert_parallel_degree", "2"], world_size=4)
+    dims = resolve_dims(cfg.parallelism, 4)
+    assert (dims.dp_shard, dims.ep, dims.expert_fsdp, dims.world_size) == (4, 2, 2, 4)
+
+
+def test_float8_converts_the_dense_linears_and_keeps_routers_and_experts(caplog: pytest.LogCaptureFixture) -> None:
+    args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], vocab_size=2256, n_layers=2, max_seq_len=32)
+    with torch.device("meta"):
+        model = Transformer(args)
+    with caplog.at_level("INFO", logger="titan"):
+        conversion = apply_converters(model, ["float8"], Float8(emulate=True), MX(), tp_degree=1, fsdp_enabled=False,
+                                      print_after_conversion=False)
+    results = {decision.fqn: decision for decision in conversion.decisions}
+    assert results["layers.0.attention.wq"].converted
+    assert not results["layers.0.moe.router.gate"].converted
+    assert "a router" in results["layers.0.moe.router.gate"].result
+    assert type(model.layers["0"].moe.experts) is GroupedExperts
+    assert "The experts of 2 MoE layers (layers.0.moe.experts, ...) stay in high precision" in caplog.text

@@ -1,0 +1,74 @@
+"""Qwen3 transformer, dense and mixture-of-experts: Llama's block with per-head RMSNorm on queries and keys
+(QK-norm), a head size of its own, optionally an output tied to the embedding, and in MoE flavors a mixture of
+experts in place of every feed-forward. Pure math on plain modules, built on meta and filled by init.py.
+
+Module names follow Titan's Llama (tok_embeddings, layers.<i>.attention.wq, feed_forward.w1, norm, output), so the
+stages that find modules by name (converters, TP, CP, AC, FSDP, pipeline stages) read both families alike.
+Rotary embeddings use Meta's adjacent-pair layout; importing Hugging Face's rotate-half weights permutes wq, wk and
+the QK-norm weights (titan/checkpoint/hf.py).
+"""
+
+from torch import Tensor, nn
+
+from titan.models.llama.attention import Mask
+from titan.models.llama.model import Attention as LlamaAttention
+from titan.models.llama.model import FeedForward, RMSNorm
+from titan.models.llama.model import Transformer as LlamaTransformer
+from titan.models.qwen3.args import Qwen3Args
+from titan.models.qwen3.moe import MoE
+
+
+class Attention(LlamaAttention):
+    """Llama's grouped-query attention with a head size of its own and each query and key head RMS-normalised before
+    the rotation (QK-norm)."""
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__(args)
+        self.q_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, eps=args.norm_eps)
+
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super().heads(x)
+        return self.q_norm(q), self.k_norm(k), v
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: attention, then the dense feed-forward (`feed_forward`) or the mixture of experts
+    (`moe`)."""
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        if args.moe is None:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        else:
+            self.moe = MoE(args.dim, args.moe)
+
+    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Transformer(LlamaTransformer):
+    """Qwen3 decoder: Llama's (embedding, rotary table, blocks, final norm, output and chunked loss, so the same
+    forward) with Qwen3's blocks, and with tie_embeddings one matrix for the embedding and the output."""
+
+    def __init__(self, args: Qwen3Args) -> None:
+        super().__init__(args, block=TransformerBlock)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+
+def tie_output(model: nn.Module) -> None:
+    """Make a tied model's output matrix its embedding's again, for a model (or the stage holding both) after
+    to_empty(), which gives every module a tensor of its own, or after a stage that distributed them separately."""
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The mixture-of-experts layers of a model (or of a pipeline stage), by FQN."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}

@@ -1,0 +1,157 @@
+"""Qwen3-MoE's feed-forward: a token-choice top-k router over SwiGLU experts, the experts' grouped matmuls, and the
+two ways of keeping experts evenly loaded (a load-balancing loss, and DeepSeek-V3's auxiliary-loss-free bias).
+
+Tokens are sorted by expert before the experts run, so each expert's tokens are one contiguous block of rows and
+the experts' matmuls are one grouped matmul (`torch._grouped_mm`) where the device has it. A later stage may
+exchange those blocks between ranks (expert parallel replaces `moe.experts`); the router and the combine stay here.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
+
+from titan.models.qwen3.args import MoEArgs
+
+
+def grouped_mm_supported(x: Tensor) -> bool:
+    """Whether torch._grouped_mm runs for x's device and dtype: on CUDA from Hopper (SM90) in bf16, which is what
+    its CUDA kernels take; on the CPU in any float dtype, but compiled or fake (a dry run) only in bf16, since
+    torch 2.13's shape rule for the op asks for bf16 whatever the device."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16
+                                       or not (torch.compiler.is_compiling() or is_fake(x)))
+
+
+def matmul_dtype(x: Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on (it does not cover torch._grouped_mm, so the
+    experts cast as it would), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+    """Each expert's SwiGLU over its block of x: x (tokens, dim) holds expert 0's counts[0] rows, then expert 1's,
+    ...; w1, w3 (experts, hidden, dim) and w2 (experts, dim, hidden) -> (tokens, dim). Experts may get no rows."""
+    dtype = matmul_dtype(x)
+    x, w1, w2, w3 = (tensor.to(dtype) for tensor in (x, w1, w2, w3))
+    if grouped_mm_supported(x):
+        offsets = counts.cumsum(0).to(torch.int32)  # where each expert's block ends
+        # _grouped_mm multiplies block i of x by matrix i of a (experts, in, out) tensor: the weights transposed.
+        hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+        hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+    # Elsewhere one matmul per expert; the block sizes are read on the host (a graph break under compile).
+    outputs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+               for e, rows in enumerate(x.split(host_counts(counts, x.size(0))))]
+    return torch.cat(outputs)
+
+
+def host_counts(counts: Tensor, total: int) -> list[int]:
+    """counts (a 1-D tensor adding up to `total`) as Python ints, for ops that take sizes. The dry run's fake tensors
+    have no values: there the `total` rows are spread evenly, the balance the router is trained towards."""
+    if is_fake(counts):
+        share, extra = divmod(total, counts.numel())
+        return [share + (i < extra) for i in range(counts.numel())]
+    return counts.tolist()
+
+
+class GroupedExperts(nn.Module):
+    """num_experts SwiGLU experts as three stacked weight tensors (one matmul per weight over every expert)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (tokens, dim) sorted by expert, counts (num_experts,): each expert's rows -> (tokens, dim)."""
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
+
+
+class Router(nn.Module):
+    """Token-choice top-k routing: a softmax over the experts' logits; each token goes to its top_k experts,
+    weighted by their probabilities (renormalised over the k when norm_topk_prob). With load_balance_coeff the
+    choice, not the weights, reads probabilities plus a per-expert bias (DeepSeek-V3, arXiv:2408.15664)."""
+
+    def __init__(self, dim: int, moe: MoEArgs) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.norm_topk_prob = moe.norm_topk_prob
+        self.gate = nn.Linear(dim, moe.num_experts, bias=False)
+        # A checkpointed state, but no parameter: the balancer, not the optimizer, moves it.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.load_balance_coeff > 0 else None)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (tokens, dim) -> (weights (tokens, top_k) fp32, experts (tokens, top_k) int64, probs (tokens,
+        num_experts) fp32)."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        choice = probs if self.expert_bias is None else probs + self.expert_bias
+        experts = choice.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, experts, probs
+
+
+def load_balancing_loss(probs: Tensor, counts: Tensor) -> Tensor:
+    """Switch Transformer's auxiliary loss as Qwen3-MoE computes it (transformers' load_balancing_loss_func) for one
+    layer: num_experts x the sum over experts of (tokens routed to e / tokens) x (e's mean routing probability).
+    probs (tokens, num_experts), counts (num_experts,) routed tokens. top_k when every expert gets the same share."""
+    num_tokens, num_experts = probs.shape
+    return num_experts * (counts.float() / num_tokens * probs.mean(dim=0)).sum()
+
+
+class AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns x unchanged and gives `loss` a gradient of 1 in the backward, as if it had been added to the training
+    loss: the layer's balancing loss reaches its router wherever the layer runs (a pipeline stage without the
+    output), and the reported loss stays the language-model loss (DeepSeek-V2's AddAuxiliaryLoss)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_dtype = loss.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.ones((), dtype=ctx.loss_dtype, device=grad.device)
+
+
+class MoE(nn.Module):
+    """Qwen3-MoE's sparse feed-forward: route, sort the tokens by expert, run the experts, and add each token's
+    expert outputs back weighted by the router. Keeps `tokens_per_expert`, the routed tokens each expert got since
+    the balancer last read it, for the metrics and the bias."""
+
+    def __init__(self, dim: int, moe: MoEArgs) -> None:
+        super().__init__()
+        self.top_k = moe.top_k
+        self.aux_loss_weight = moe.aux_loss_weight
+        self.router = Router(dim, moe)
+        self.experts = GroupedExperts(moe.num_experts, dim, moe.hidden_dim)
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        bs, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)  # (bs * seq, dim)
+        weights, experts, probs = self.router(tokens)
+        flat_experts = experts.flatten()  # (bs * seq * top_k,): token t's choices at t * top_k ...
+        counts = torch.zeros_like(probs[0]).scatter_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=probs.dtype))
+        if self.training and torch.is_grad_enabled():
+            # Forwards without gradients are no training tokens (a pipeline stage's shape inference runs one).
+            # Activation checkpointing counts a recomputed block twice; shares of tokens, which is what the metrics
+            # and the bias read, stay the same.
+            self.tokens_per_expert.add_(counts.detach())
+        order = flat_experts.argsort(stable=True)  # the routed copies grouped by expert
+        source = order // self.top_k  # (bs * seq * top_k,): the token each sorted copy came from
+        routed = self.experts(tokens[source], counts.long())  # (bs * seq * top_k, dim)
+        weighted = routed * weights.flatten()[order, None].to(routed.dtype)
+        out = torch.zeros_like(tokens).index_add_(0, source, weighted.to(tokens.dtype))  # (bs * seq, dim)
+        if self.training and self.aux_loss_weight > 0:
+            out = AddAuxiliaryLoss.apply(out, self.aux_loss_weight * load_balancing_loss(probs, counts))
+        return out.view(bs, seq, dim)

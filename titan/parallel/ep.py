@@ -1,0 +1,91 @@
+"""Expert parallel: each MoE layer's experts split over the EP ranks, and every routed token sent to the rank that
+holds its expert and back, with all-to-all (torchtitan's ExpertParallel and its all-to-all token dispatcher).
+
+The EP ranks are data-parallel ranks (borrowed from dp_shard x cp), so each has tokens of its own; an expert's
+gradient gathers the contributions of every EP rank's tokens through the all-to-all's backward.
+"""
+
+import torch
+from torch import Tensor, nn
+from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from titan.metrics.log import logger
+from titan.models.qwen3.moe import GroupedExperts, grouped_swiglu, host_counts
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """GroupedExperts whose weights are sharded over `ep_mesh` on the expert dimension (DTensors, Shard(0)): this
+    rank runs experts rank x local ... (rank + 1) x local - 1 on the tokens every EP rank routes to them."""
+
+    def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = experts.num_experts
+        self.ep_mesh = ep_mesh
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(experts, name)
+            self.register_parameter(name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
+                                                       requires_grad=weight.requires_grad))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """x (tokens, dim) sorted by expert with counts (num_experts,) -> the experts' outputs in x's order."""
+        ep = self.ep_mesh.size()
+        group = self.ep_mesh.get_group()
+        # (ep * local,): how many tokens each EP rank sends to each of this rank's experts, rank-major.
+        received_counts = all_to_all_single(counts, None, None, group=group)
+        local = self.num_experts // ep
+        # The only host reads of an MoE layer: all-to-all takes its split sizes as Python ints. Every rank routes as
+        # many copies (tokens x top_k), so on the dry run's fake tensors each receives as many as it sends.
+        send_splits = host_counts(counts.view(ep, local).sum(dim=1), x.size(0))
+        receive_splits = host_counts(received_counts.view(ep, local).sum(dim=1), x.size(0))
+        received = all_to_all_single_autograd(x, receive_splits, send_splits, group=group)
+        # received is grouped by source rank, then expert; the grouped matmul wants it grouped by expert.
+        order = expert_major_order(received_counts, ep, local, num_rows=received.size(0))
+        # The experts' gradients sum every EP rank's tokens, each rank's loss scaled as one data-parallel share:
+        # 1/ep here and FSDP's mean over the expert-FSDP ranks make them the mean over all shares, as the dense
+        # weights' gradients are (FSDP's gradient_divide_factor would do it in the reduction, but gloo has no
+        # PREMUL_SUM).
+        weights = [scale_gradient(weight.to_local(), 1 / ep) for weight in (self.w1, self.w2, self.w3)]
+        outputs = grouped_swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights)
+        unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs)  # back to (source rank, expert) order
+        return all_to_all_single_autograd(unsorted, send_splits, receive_splits, group=group)
+
+
+class ScaleGradient(torch.autograd.Function):
+    """Identity in the forward; multiplies the gradient by `scale` in the backward."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def scale_gradient(x: Tensor, scale: float) -> Tensor:
+    return ScaleGradient.apply(x, scale)
+
+
+def expert_major_order(received_counts: Tensor, ep: int, local: int, num_rows: int) -> Tensor:
+    """The row order that turns the `num_rows` received tokens, grouped (source rank, local expert) as counted by
+    received_counts (ep * local,), into (local expert, source rank) order, keeping each block's rows in order."""
+    blocks = torch.arange(ep * local, device=received_counts.device)  # block id = rank * local + expert
+    block_of_row = blocks.repeat_interleave(received_counts, output_size=num_rows)
+    expert_major_key = (block_of_row % local) * ep + block_of_row // local
+    return expert_major_key.argsort(stable=True)
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Replace every MoE layer's experts of `model` (on meta) with ExpertParallelExperts over `ep_mesh`. FQNs stay
+    (layers.<i>.moe.experts.w1, ...): checkpoints hold whole experts and reshard across EP degrees."""
+    count = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is GroupedExperts:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, ExpertParallelExperts(module, ep_mesh))
+            count += 1
+    logger.info(f"Applied expert parallel (degree {ep_mesh.size()}) to the experts of {count} MoE layers: "
+                f"all-to-all token exchange")
