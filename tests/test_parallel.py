@@ -137,7 +137,11 @@ LAYOUTS = {
               qwen3_moe_pp2=["--training.local_batch_size", "4", *QWEN3_MOE, *PP2],
               # EP borrows the context-parallel ranks: each holds half of every sequence's tokens.
               qwen3_moe_cp2_ep2=["--training.local_batch_size", "4", *QWEN3_MOE, *CP2, *EP2]),
-    **layouts(4, "ref_qwen3_moe", qwen3_moe_ep2_fsdp2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2]),
+    # EP 2 x expert FSDP 2 over dense FSDP 4; and HSDP: 2 replicas of EP 2 (the experts' own HSDP mesh).
+    **layouts(4, "ref_qwen3_moe", qwen3_moe_ep2_fsdp2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2],
+              qwen3_moe_hsdp2_ep2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2,
+                                   "--parallelism.data_parallel_replicate_degree", "2",
+                                   "--parallelism.data_parallel_shard_degree", "2"]),
     **layouts(4, fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2],
               pp2_fsdp2=["--training.local_batch_size", "2", *PP2, *FSDP2],
               pp2_tp2=["--training.local_batch_size", "4", *PP2, *TP2],
@@ -228,7 +232,7 @@ def test_qwen3_tied_output_stays_the_embedding(runs: CaseResults, case: str) -> 
 
 
 @pytest.mark.parametrize("case", ["qwen3_tp2", "qwen3_pp2", "qwen3_moe_ep2", "qwen3_moe_fsdp2", "qwen3_moe_pp2",
-                                  "qwen3_moe_cp2_ep2", "qwen3_moe_ep2_fsdp2"])
+                                  "qwen3_moe_cp2_ep2", "qwen3_moe_ep2_fsdp2", "qwen3_moe_hsdp2_ep2"])
 def test_qwen3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
     assert_same_run(runs, case)
 
