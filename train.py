@@ -18,7 +18,7 @@ def train(argv: list[str]) -> None:
     cfg = load_job_config(argv, world_size)
     if cfg.job.dry_run:
         # Under torchrun each process simulates its own rank (run_train.sh simulates rank 0 and the last itself).
-        dry_run(cfg, argv, world_size, ranks=[current_rank()])
+        dry_run(cfg, world_size, ranks=[current_rank()])
         return
     Trainer(cfg, world_size).run()
 

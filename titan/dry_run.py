@@ -7,7 +7,6 @@ is invalid for that world size or a rank's predicted peak does not fit in the GP
 
 import argparse
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,10 +26,10 @@ def documented_world_size(config: Path) -> int:
     return int(found.group(1))
 
 
-def dry_run(cfg: JobConfig, argv: list[str], world_size: int, ranks: list[int] | None) -> int:
-    """Simulate and report each of `ranks` (default: first and last) of the job `cfg`, validated for `world_size`
-    and parsed from `argv` (which a rank simulated in a process of its own parses again). Returns the exit code (a
-    rank simulated here raises its errors instead)."""
+def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None) -> int:
+    """Simulate and report each of `ranks` (default: first and last) of the job `cfg`, validated for `world_size`,
+    each rank in a process of its own (titan/estimate/gpu_rank.py). Returns 0; raises a ConfigError naming every rank
+    whose peak does not fit the GPU, after reporting them all."""
     # Imported here: the trainer's imports are slow, and a config error should come out before them.
     from titan.estimate.report import check_fits, format_report, warn_slow_data
     from titan.estimate.simulate import run_dry_run
@@ -40,26 +39,18 @@ def dry_run(cfg: JobConfig, argv: list[str], world_size: int, ranks: list[int] |
     if outside:
         raise ConfigError(f"--rank {', '.join(map(str, outside))} is not a rank of a job of --world_size {world_size} "
                           f"(ranks 0 to {world_size - 1}).")
-    if len(ranks) > 1:
-        return simulate_in_subprocesses(argv, world_size, ranks)
-    result = run_dry_run(cfg, world_size, ranks[0])
-    logger.info(format_report(result, cfg.estimate))
-    warn_slow_data(result, cfg.estimate)
-    check_fits(result, cfg.estimate)
-    return 0
-
-
-def simulate_in_subprocesses(argv: list[str], world_size: int, ranks: list[int]) -> int:
-    """One fresh process per rank: torch keeps per-process caches keyed by process-group names (DTensor's sharding
-    cache, device meshes) that a second fake process group in the same process would collide with."""
-    codes = []
+    problems = []
     for rank in ranks:
-        command = [sys.executable, "-m", "titan.dry_run", "--world_size", str(world_size), "--rank", str(rank), *argv]
-        codes.append(subprocess.run(command, check=False).returncode)
-    failed = [(rank, code) for rank, code in zip(ranks, codes) if code != 0]
-    for rank, code in failed:
-        logger.error(f"The dry run of rank {rank} exited with code {code}; its messages above say why.")
-    return failed[0][1] if failed else 0
+        result = run_dry_run(cfg, world_size, rank)
+        logger.info(format_report(result, cfg.estimate))
+        warn_slow_data(result, cfg.estimate)
+        try:
+            check_fits(result, cfg.estimate)
+        except ConfigError as error:
+            problems += error.problems
+    if problems:
+        raise ConfigError(problems)
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -76,7 +67,7 @@ def dry_run_cli(titan_args: list[str], world_size: int, ranks: list[int] | None)
     """The command line's dry run: the world size checked, the config parsed and validated once for it."""
     if world_size < 1:
         raise ConfigError(f"--world_size {world_size} must be at least 1: the number of GPUs the job is meant for.")
-    return dry_run(load_job_config([*titan_args, "--job.dry_run"], world_size), titan_args, world_size, ranks)
+    return dry_run(load_job_config([*titan_args, "--job.dry_run"], world_size), world_size, ranks)
 
 
 if __name__ == "__main__":

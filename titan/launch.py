@@ -133,8 +133,8 @@ def launch(argv: list[str]) -> int:
     cfg = load_job_config(args.training_script_args, world_size)
     if cfg.job.dry_run:
         # No torchrun, whatever NGPU is: the job's first and last rank are simulated one after the other, each in a
-        # subprocess of its own (titan/dry_run.py simulate_in_subprocesses).
-        return dry_run(cfg, args.training_script_args, world_size, ranks=None)
+        # process of its own (titan/estimate/gpu_rank.py).
+        return dry_run(cfg, world_size, ranks=None)
     # torchrun logs each failed rank at ERROR level; the rank's own message is the useful one.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:

@@ -3,8 +3,8 @@
 Layout: <dump_folder>/<checkpoint.folder>/step-<N>/ (or <url>/step-<N>/ when --checkpoint.folder is an fsspec URL)
 holds one DCP checkpoint (.metadata plus one .distcp file per rank). Rank 0 publishes a step once every rank's files
 and the metadata are written: locally by renaming step-<N>.partial/, on object storage with a COMPLETE marker
-written last (titan/checkpoint/storage.py). A run killed mid-save leaves an unpublished folder, which resume ignores
-(with a warning) and the next completed save deletes.
+written last (titan/checkpoint/storage.py). A run killed mid-save or mid-deletion leaves an incomplete folder,
+which resume ignores (with a warning) and the next completed save deletes.
 
 State (top-level keys of the DCP state dict):
   model         parameters by FQN, as sharded DTensors under FSDP/TP, so DCP reshards on load
@@ -352,15 +352,16 @@ class Checkpointer:
             for step in steps[:-self.cfg.keep_latest_k]:
                 if step != keep_step:
                     self.steps.delete(self.location(step))
-                    logger.info(f"Deleted checkpoint of step {step} (--checkpoint.keep_latest_k {self.cfg.keep_latest_k})")
+                    logger.info(f"Deleted checkpoint of step {step} (--checkpoint.keep_latest_k "
+                                f"{self.cfg.keep_latest_k})")
 
     # ---- loading ----
 
     def resume_folder(self) -> str | None:
         """The step folder to resume from: --checkpoint.load_step, else the latest complete one, else None."""
         for folder in self.steps.incomplete():
-            logger.warning(f"Ignoring incomplete checkpoint {folder} (a save that did not finish); it will be "
-                           f"deleted after the next save.")
+            logger.warning(f"Ignoring incomplete checkpoint {folder} (a save or a deletion that did not finish); it "
+                           f"will be deleted after the next save.")
         steps = self.steps.complete_steps()
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
@@ -417,7 +418,8 @@ class Checkpointer:
         model_state = get_model_state_dict(self.model)
         check_model_shapes(folder, metadata, model_state, self.model_fqns)
         train_state = self.start_state()
-        parts = [part for part in (MODEL_KEY, "optimizer", "lr_scheduler", "train_state") if part in saved_parts - exclude]
+        parts = [part for part in (MODEL_KEY, "optimizer", "lr_scheduler", "train_state")
+                 if part in saved_parts - exclude]
         state: dict[str, Any] = {MODEL_KEY: model_state} if MODEL_KEY in parts else {}
         current_optimizer = get_optimizer_state_dict(self.model, self.optimizer) if "optimizer" in parts else None
         if current_optimizer is not None:

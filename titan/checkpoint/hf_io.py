@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 from torch.distributed.checkpoint import HuggingFaceStorageReader, HuggingFaceStorageWriter
+
 # Public only as HuggingFaceStorageWriter(enable_consolidation=True), which consolidates on rank 0 alone; calling them
 # directly spreads the output files over the ranks.
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (

@@ -2,6 +2,8 @@
 
 Both keep the promise that a folder taken as complete is complete, each in its own way:
 - Local (LocalSteps): a save writes step-<N>.partial/ and is published with one atomic rename to step-<N>/.
+  Deleting a step renames it to step-<N>.deleting/ first (atomic too), so a deletion killed half-way leaves a folder
+  no listing takes as complete; it is deleted after the next completed save.
 - Object storage (RemoteSteps): there is no atomic rename (S3 and GCS copy every object), so a save writes step-<N>/
   in place and is published by a marker object, step-<N>/COMPLETE, written after every rank's files and DCP's
   metadata. Deleting a step removes its marker first. A step folder without its marker (a killed save, a killed
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
 # FsspecWriter/FsspecReader are DCP's fsspec storage, public in the docs but not exported from the package.
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
@@ -24,6 +27,7 @@ from titan.config.paths import is_url
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 PARTIAL_SUFFIX = ".partial"
+DELETING_SUFFIX = ".deleting"
 MARKER = "COMPLETE"
 """The object that publishes a step folder on object storage, written last."""
 
@@ -74,10 +78,19 @@ class LocalSteps:
         """Nothing to clear: a save writes into a .partial folder, and publishing replaces an older step-<N>."""
 
     def publish(self, step: int) -> None:
+        """Rename the staged save to step-<N>. An earlier run's checkpoint of the same step (after
+        --checkpoint.load_step) is renamed out of the way first and left to the purge that follows every publish."""
         final = self.root / f"step-{step}"
         if final.exists():
-            shutil.rmtree(final)  # an earlier run's checkpoint of the same step (after --checkpoint.load_step)
+            self.retire(final)
         self.staging(step).rename(final)
+
+    def retire(self, folder: Path) -> Path:
+        """Rename a step folder to its .deleting name: one atomic step, after which no listing takes it as complete."""
+        deleting = folder.with_name(folder.name + DELETING_SUFFIX)
+        shutil.rmtree(deleting, ignore_errors=True)  # a killed deletion's leftover of the same step holds the name
+        folder.rename(deleting)
+        return deleting
 
     def export_folder(self, step: int) -> Path:
         """Where an export written as local files (a Hugging Face folder) is written before it is published."""
@@ -93,13 +106,19 @@ class LocalSteps:
         return sorted(int(m.group(1)) for p in self.root.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name)))
 
     def incomplete(self) -> list[str]:
-        """Folders of saves that did not finish."""
+        """Folders of saves and deletions that did not finish."""
         if not self.root.is_dir():
             return []
-        return sorted(str(p) for p in self.root.iterdir() if p.is_dir() and p.name.endswith(PARTIAL_SUFFIX))
+        return sorted(str(p) for p in self.root.iterdir()
+                      if p.is_dir() and p.name.endswith((PARTIAL_SUFFIX, DELETING_SUFFIX)))
 
     def delete(self, location: str) -> None:
-        shutil.rmtree(location, ignore_errors=True)
+        """A step-<N> folder is renamed before its files are removed, so that a deletion killed half-way leaves an
+        incomplete folder, never a complete-looking one with files missing."""
+        folder = Path(location)
+        if STEP_FOLDER.match(folder.name):
+            folder = self.retire(folder)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def has_file(self, location: str, name: str) -> bool:
         return (Path(location) / name).is_file()

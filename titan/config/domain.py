@@ -58,7 +58,8 @@ def bounded(kind: type, domain: Range, optional: bool = False) -> Any:
     domain = replace(domain, kind=kind)
     hint = f"must be {domain.describe()}"
     field_type = kind | None if optional else kind
-    return Annotated[field_type, domain, tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}; {hint})")]
+    help_hint = tyro.conf.arg(help_behavior_hint=lambda default: f"(default: {default}; {hint})")
+    return Annotated[field_type, domain, help_hint]
 
 
 Count = bounded(int, Range(low=1))

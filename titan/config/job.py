@@ -64,12 +64,12 @@ class Estimate:
 class Model:
     name: Literal["llama3", "qwen3"] = "llama3"
     """Model family to build: llama3 (Llama 3 / 3.1 / 3.2 shapes) or qwen3 (Qwen3 dense and mixture-of-experts)."""
-    flavor: Literal["debugmodel", "debugmodel_mha", "debugmodel_tied", "debugmodel_moe", "100M", "0.6B", "1B", "1.7B", "3B", "4B", "8B",
-                    "14B", "32B", "70B", "405B", "30B-A3B", "235B-A22B"] = "debugmodel"
+    flavor: Literal["debugmodel", "debugmodel_mha", "debugmodel_tied", "debugmodel_moe", "100M", "0.6B", "1B", "1.7B",
+                    "3B", "4B", "8B", "14B", "32B", "70B", "405B", "30B-A3B", "235B-A22B"] = "debugmodel"
     """Model size within the family. llama3: debugmodel (tiny, trains on CPU), debugmodel_mha, 100M (dim 768, 16
     layers), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims). qwen3: debugmodel, debugmodel_tied (its output is
-    its embedding), debugmodel_moe (8 experts, top 2; all three train on CPU), 0.6B/1.7B/4B/8B/14B/32B dense and 30B-A3B/235B-A22B mixture-of-experts (the published
-    Qwen3 configs)."""
+    its embedding), debugmodel_moe (8 experts, top 2; all three train on CPU), 0.6B/1.7B/4B/8B/14B/32B dense and
+    30B-A3B/235B-A22B mixture-of-experts (the published Qwen3 configs)."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
     """Tokenizer file: tiktoken format (base64 token and rank per line, e.g. Llama 3's tokenizer.model), or a Hugging
     Face tokenizer.json of a byte-level BPE (Qwen3's, GPT-2's, Llama 3's), read with the tokenizer_config.json next
@@ -193,7 +193,9 @@ class Training:
     """Keep FSDP's sharded parameters, their gradients and the optimizer state in host memory (torch's
     CPUOffloadPolicy): each block's shard is copied to the GPU for its all-gather, gradients are copied back, and the
     optimizer step runs on the CPU. Frees those bytes on the GPU at the cost of host-device traffic and a CPU
-    optimizer step every step. Needs FSDP (a data-parallel shard degree above 1)."""
+    optimizer step every step. Applies FSDP over a one-rank mesh where the data-parallel degree is 1 (one GPU
+    training a model that does not fit it otherwise). The weights are initialised from a full copy of the model on
+    the GPU, which must fit there once (titan/parallel/init.py)."""
     loss_chunk_size: NonNegativeInt = 1024
     """Tokens per chunk of the output layer and cross entropy: logits, their fp32 log-softmax and gradients exist
     for one chunk at a time, never for the whole micro-batch (the same loss; the output layer's forward runs once
@@ -204,12 +206,12 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms only (slower on GPU; CPU runs are deterministic anyway)."""
     mixture: list[str] = field(default_factory=list)
-    """Several weighted data sources instead of --training.dataset: each is DATASET[:PATH]=WEIGHT, with DATASET one
-    of shipped, text, jsonl, hf, prepared (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of tables,
-    `mixture = [{dataset = "shipped", weight = 1}, {dataset = "jsonl", path = "data/code.jsonl", weight = 3}]`).
-    Each sequence comes from one source, drawn with probability proportional to its weight (from --training.seed and
-    the sequence's index, so every layout and a resumed run draw alike); a source that runs out starts over. Empty:
-    the single source of --training.dataset."""
+    """Several weighted data sources instead of --training.dataset: each is DATASET[:PATH]=WEIGHT, with DATASET one of
+    shipped, text, jsonl, hf, prepared (`--training.mixture shipped=1 jsonl:data/code.jsonl=3`; in TOML also a list of
+    tables, `mixture = [{dataset = "shipped", weight = 1}, {dataset = "jsonl", path = "data/code.jsonl", weight = 3}]`).
+    Each sequence comes from one source, drawn with probability proportional to its weight (from --training.seed and the
+    sequence's index, so every layout and a resumed run draw alike); a source that runs out starts over. Empty: the
+    single source of --training.dataset."""
     on_nonfinite: Literal["stop", "skip"] = "stop"
     """What a non-finite loss or gradient norm does: stop the run (exit 3), or skip that step's update (no optimizer
     or LR-schedule step; the data moves on) and record it in <dump_folder>/anomalies.jsonl."""
@@ -313,6 +315,10 @@ class Parallelism:
     tensor_parallel_degree: Count = 1
     """Ranks that split each layer's matmuls (Megatron-style, with sequence parallel on the norms). Keep it
     within one node: it communicates every layer."""
+    force_fsdp: bool = False
+    """Apply FSDP2 also where the data-parallel degree is 1, over a one-rank mesh: a single GPU then runs the sharded
+    (DTensor) code of multi-GPU jobs, e.g. to check it on one card. --training.enable_cpu_offload does this by itself,
+    since offload is FSDP's."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, more
     memory), default (every block but the last, whose backward comes right after forward)."""

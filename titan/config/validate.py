@@ -14,16 +14,17 @@ import os
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from titan.config.domain import field_ranges, parse_duration
 from titan.config.errors import ConfigError
+from titan.config.hardware import Accelerator, target_accelerator
 from titan.config.job import CHECKPOINT_PARTS, JobConfig
 from titan.config.mixture import MIXTURE_DATASETS, MixtureEntry, parse_mixture_entry
 from titan.config.multipliers import parse_lr_multiplier
 from titan.config.paths import is_url, missing_backend, resolve_path
-from titan.models.families import FAMILIES, linear_fqns
 from titan.config.stages import (
     LOOPED_SCHEDULES,
     ROUND_SCHEDULES,
@@ -32,8 +33,12 @@ from titan.config.stages import (
     requested_num_stages,
     split_point_layers,
 )
+from titan.models.families import FAMILIES, linear_fqns
 
 Rule = Callable[[JobConfig, int], str | list[str] | None]
+HardwareRule = Callable[[JobConfig, Accelerator], str | list[str] | None]
+"""A rule about the accelerator the job runs on: this machine's, or the GPU a dry run simulates."""
+AnyRule = TypeVar("AnyRule", Rule, HardwareRule)
 
 # Model converters this build provides.
 AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx")
@@ -62,10 +67,10 @@ def check_domains(cfg: JobConfig) -> tuple[list[str], set[str]]:
     return problems, bad_fields
 
 
-def needs_in_range(*fields: str) -> Callable[[Rule], Rule]:
+def needs_in_range(*fields: str) -> Callable[[AnyRule], AnyRule]:
     """Mark a rule that computes with these fields ("section.name"): validate() skips it while any of them is
     out of its range, since that problem is already reported and the rule could divide by zero."""
-    def mark(rule: Rule) -> Rule:
+    def mark(rule: AnyRule) -> AnyRule:
         rule.needs_in_range = fields  # type: ignore[attr-defined]
         return rule
     return mark
@@ -108,8 +113,8 @@ def check_global_batch(cfg: JobConfig, world_size: int) -> str | None:
         return None
     return (f"--training.global_batch_size {t.global_batch_size} must be a multiple of --training.local_batch_size "
             f"{t.local_batch_size} x data-parallel degree {dp_degree} = {per_step} "
-            f"(it sets the gradient accumulation steps). Try {max(per_step, t.global_batch_size // per_step * per_step)} "
-            f"or -1.")
+            f"(it sets the gradient accumulation steps). "
+            f"Try {max(per_step, t.global_batch_size // per_step * per_step)} or -1.")
 
 
 def check_converters(cfg: JobConfig, world_size: int) -> str | None:
@@ -120,6 +125,26 @@ def check_converters(cfg: JobConfig, world_size: int) -> str | None:
             f"{', '.join(AVAILABLE_CONVERTERS)}.")
 
 
+def unmatched_patterns(flag: str, entries: list[tuple[str, str]], fqns: list[str], what: str, flavor: str,
+                       effect: str) -> list[str]:
+    """One problem per entry of `flag`, given as (the entry as written, its FQN substring), whose substring is in
+    none of `fqns`, the FQNs of the flavor's `what`s: after a typo or a rename it would silently match nothing, and
+    `effect` says what that leaves undone. Each problem names the closest FQNs to try."""
+    # Every dotted suffix of an FQN ("wq", "attention.wq", ...) is a plausible entry to suggest.
+    suffixes = sorted({".".join(fqn.split(".")[i:]) for fqn in fqns for i in range(len(fqn.split(".")))})
+    kinds = sorted({re.sub(r"^layers\.\d+\.", "", fqn) for fqn in fqns})
+    problems = []
+    for entry, substring in entries:
+        if any(substring in fqn for fqn in fqns):
+            continue
+        close = difflib.get_close_matches(substring, suffixes, n=3, cutoff=0.5)
+        nearest = (f"Closest FQNs: {', '.join(close)}." if close else
+                   f"Its {what}s (the layers.<i>. prefix left out): {', '.join(kinds)}.")
+        problems.append(f"{flag} {entry!r} matches no {what} of --model.flavor {flavor}, so it would {effect}. "
+                        f"{nearest}")
+    return problems
+
+
 def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     """A filter entry that matches no layer keeps nothing out, so the layer it was meant to protect (after a typo
     or a rename) would silently train in low precision."""
@@ -128,25 +153,22 @@ def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     if not used or flavor_args(cfg) is None:
         return []
     fqns = linear_fqns(cfg.model.name, cfg.model.flavor)  # layer names don't depend on the vocab or sequence length
-    # Every dotted suffix of an FQN ("wq", "attention.wq", ...) is a plausible filter entry to suggest.
-    suffixes = sorted({".".join(fqn.split(".")[i:]) for fqn in fqns for i in range(len(fqn.split(".")))})
-    layer_kinds = sorted({re.sub(r"^layers\.\d+\.", "", fqn) for fqn in fqns})
-    problems = []
-    for name in used:
-        for entry in filters[name]:
-            if any(entry in fqn for fqn in fqns):
-                continue
-            close = difflib.get_close_matches(entry, suffixes, n=3, cutoff=0.5)
-            nearest = (f"Closest FQNs: {', '.join(close)}." if close else
-                       f"Its linear layers (the layers.<i>. prefix left out): {', '.join(layer_kinds)}.")
-            problems.append(f"--{name}.filter_fqns {entry!r} matches no linear layer of --model.flavor "
-                            f"{cfg.model.flavor}, so it would keep nothing in high precision. {nearest}")
-    return problems
+    return [problem for name in used
+            for problem in unmatched_patterns(f"--{name}.filter_fqns", [(entry, entry) for entry in filters[name]],
+                                              fqns, "linear layer", cfg.model.flavor, "keep nothing in high precision")]
+
+
+def parameter_fqns(cfg: JobConfig) -> list[str]:
+    """FQNs of the parameters of --model.flavor, from a build on the meta device (no memory, milliseconds): the names
+    the optimizer matches --optimizer.lr_multipliers against (titan/train/optim.py)."""
+    with torch.device("meta"):
+        model = FAMILIES[cfg.model.name].model(flavor_args(cfg))
+    return [name for name, _ in model.named_parameters()]
 
 
 def about_this_machine(rule: Rule) -> Rule:
-    """Mark a rule that checks this machine's files or GPU: a dry run (--job.dry_run) reads no files and simulates
-    the job's GPUs, so validate() skips these rules for it."""
+    """Mark a rule that checks this machine's files: a dry run (--job.dry_run) reads no files, so validate() skips
+    these rules for it. Rules about the GPU are HARDWARE_RULES, which check the GPU the dry run simulates."""
     rule.about_this_machine = True  # type: ignore[attr-defined]
     return rule
 
@@ -247,21 +269,26 @@ def check_time_limit(cfg: JobConfig, world_size: int) -> str | None:
             f"as in 3h50m, 90m, 45s or 1h (a little under the scheduler's limit).")
 
 
-def check_memory_snapshot(cfg: JobConfig, world_size: int) -> str | None:
-    if cfg.profiling.enable_memory_snapshot and not torch.cuda.is_available():
+def check_memory_snapshot(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if cfg.profiling.enable_memory_snapshot and not accelerator.is_cuda:
         return ("--profiling.enable_memory_snapshot records CUDA allocator history and needs a GPU; none is "
                 "visible. Drop the flag, or use --profiling.enable_profiling for CPU traces.")
     return None
 
 
 def check_lr_multipliers(cfg: JobConfig, world_size: int) -> list[str]:
-    problems = []
+    problems, entries = [], []
     for text in cfg.optimizer.lr_multipliers:
         try:
-            parse_lr_multiplier(text)
+            substring, _ = parse_lr_multiplier(text)
         except ValueError:
             problems.append(f"--optimizer.lr_multipliers {text!r} is not FQN_SUBSTRING=FACTOR with a positive "
                             f"FACTOR. Write e.g. tok_embeddings=0.5.")
+            continue
+        entries.append((text, substring))
+    if entries and flavor_args(cfg) is not None:
+        problems += unmatched_patterns("--optimizer.lr_multipliers", entries, parameter_fqns(cfg), "parameter",
+                                       cfg.model.flavor, "change no learning rate")
     return problems
 
 
@@ -288,20 +315,6 @@ def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
             f"{par.context_parallel_degree} x --parallelism.tensor_parallel_degree {par.tensor_parallel_degree} "
             f"must multiply to the world size {world_size} (NGPU x nodes). Change the degrees, or leave "
             f"data_parallel_shard_degree at -1 to use the rest.")
-
-
-@needs_in_range("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-                "parallelism.tensor_parallel_degree", "parallelism.pipeline_parallel_degree",
-                "parallelism.context_parallel_degree")
-def check_cpu_offload(cfg: JobConfig, world_size: int) -> str | None:
-    par = cfg.parallelism
-    if not cfg.training.enable_cpu_offload:
-        return None
-    if data_parallel_degree(cfg, world_size) * par.context_parallel_degree > 1:
-        return None
-    return (f"--training.enable_cpu_offload moves FSDP's shards to host memory, but this layout has no FSDP "
-            f"(data-parallel shard x replicate x context-parallel degree 1 on world size {world_size}). Add data "
-            f"parallelism (--parallelism.data_parallel_shard_degree above 1, on more GPUs), or drop the flag.")
 
 
 def check_pipeline_split_points(cfg: JobConfig, world_size: int) -> str | None:
@@ -389,10 +402,10 @@ def check_pipeline_microbatches(cfg: JobConfig, world_size: int) -> str | None:
             f"--training.local_batch_size {valid}.")
 
 
-def check_pipeline_schedule_support(cfg: JobConfig, world_size: int) -> str | None:
+def check_pipeline_schedule_support(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     par = cfg.parallelism
     if (par.pipeline_parallel_degree > 1 and par.pipeline_parallel_schedule in V_SCHEDULES
-            and not torch.cuda.is_available() and torch_version() < (2, 13)):
+            and not accelerator.is_cuda and torch_version() < (2, 13)):
         return (f"--parallelism.pipeline_parallel_schedule {par.pipeline_parallel_schedule} fails in torch "
                 f"{torch.__version__}'s stage setup over gloo (CPU): its first send goes to an unconnected peer "
                 f"(seen on torch 2.11). Use torch 2.13 or newer, or another schedule such as InterleavedZeroBubble.")
@@ -540,11 +553,11 @@ def check_tied_embeddings(cfg: JobConfig, world_size: int) -> str | None:
             f"--parallelism.pipeline_parallel_degree 1 (FSDP and TP keep the tie), or an untied flavor (8B and up).")
 
 
-def check_async_tp(cfg: JobConfig, world_size: int) -> str | None:
+def check_async_tp(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     par = cfg.parallelism
     if not par.enable_async_tensor_parallel:
         return None
-    if par.tensor_parallel_degree <= 1 or not cfg.training.compile or not torch.cuda.is_available():
+    if par.tensor_parallel_degree <= 1 or not cfg.training.compile or not accelerator.is_cuda:
         return ("--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree above 1, "
                 "--training.compile and CUDA GPUs (it is an inductor pass over NCCL symmetric memory). Drop the "
                 "flag, or add the missing ones.")
@@ -569,52 +582,73 @@ def check_float8_all_gather(cfg: JobConfig, world_size: int) -> list[str]:
         problems.append(f"--float8.enable_fsdp_float8_all_gather does not combine with --parallelism."
                         f"tensor_parallel_degree {cfg.parallelism.tensor_parallel_degree} yet (TP re-wraps the "
                         f"weights before FSDP sees them). Turn one of them off.")
+    if f8.enable_fsdp_float8_all_gather and cfg.training.enable_cpu_offload:
+        # On CUDA, FSDP pins each offloaded shard: a copy, which drops the all-gather's weight wrapper
+        # (torch 2.13's FSDPParam.reset_sharded_param), so the all-gather would silently run in high precision.
+        problems.append("--float8.enable_fsdp_float8_all_gather does not combine with --training.enable_cpu_offload "
+                        "(FSDP's copy of the offloaded shards into pinned memory drops the float8 all-gather). Turn "
+                        "one of them off.")
     if f8.precompute_float8_dynamic_scale_for_fsdp and not f8.enable_fsdp_float8_all_gather:
-        problems.append("--float8.precompute_float8_dynamic_scale_for_fsdp needs --float8.enable_fsdp_float8_all_gather "
-                        "(it precomputes the all-gather's scales). Add it or drop the precompute flag.")
+        problems.append("--float8.precompute_float8_dynamic_scale_for_fsdp needs "
+                        "--float8.enable_fsdp_float8_all_gather (it precomputes the all-gather's scales). Add it or "
+                        "drop the precompute flag.")
     return problems
 
 
-@about_this_machine
-def check_float8_hardware(cfg: JobConfig, world_size: int) -> list[str]:
-    if "float8" not in cfg.model.converters or cfg.float8.emulate or not torch.cuda.is_available():
-        return []
-    problems = []
-    capability = torch.cuda.get_device_capability()
-    if capability < FLOAT8_MIN_CAPABILITY:
-        problems.append(f"--model.converters float8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, "
-                        f"Blackwell); this {torch.cuda.get_device_name()} is {capability[0]}.{capability[1]}. Add "
-                        f"--float8.emulate to run the same quantization with high-precision matmuls.")
-    tokens = cfg.training.local_batch_size * cfg.training.seq_len
-    if tokens % 16:
-        problems.append(f"--training.local_batch_size x --training.seq_len = {tokens} tokens must be divisible by 16 "
-                        f"for float8's weight-gradient matmul on CUDA. Try --training.seq_len "
-                        f"{cfg.training.seq_len // 16 * 16 or 16}.")
-    return problems
+def check_float8_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if "float8" not in cfg.model.converters or cfg.float8.emulate or not accelerator.is_cuda:
+        return None
+    if accelerator.capability >= FLOAT8_MIN_CAPABILITY:
+        return None
+    return (f"--model.converters float8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+            f"{accelerator.describe()}. Add --float8.emulate to run the same quantization with high-precision "
+            f"matmuls.")
 
 
-@about_this_machine
-def check_flex_attention_device(cfg: JobConfig, world_size: int) -> str | None:
-    if cfg.model.attn_backend != "flex" or torch.cuda.is_available():
+@needs_in_range("training.local_batch_size", "training.seq_len", "parallelism.pipeline_parallel_degree",
+                "parallelism.pipeline_parallel_microbatch_size", "parallelism.context_parallel_degree",
+                "parallelism.tensor_parallel_degree")
+def check_float8_tokens(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    """CUDA's float8 matmuls need each dim divisible by 16. The weight-gradient matmul (grad_output^T @ input)
+    contracts over the tokens of one backward: under PP a pipeline micro-batch's, under CP this rank's 1/cp share
+    of each sequence. CPU's _scaled_mm takes any size."""
+    if "float8" not in cfg.model.converters or cfg.float8.emulate or not accelerator.is_cuda:
+        return None
+    t, par = cfg.training, cfg.parallelism
+    cp, tp = par.context_parallel_degree, par.tensor_parallel_degree
+    if par.pipeline_parallel_degree > 1:
+        batch_flag, batch = "--parallelism.pipeline_parallel_microbatch_size", par.pipeline_parallel_microbatch_size
+    else:
+        batch_flag, batch = "--training.local_batch_size", t.local_batch_size
+    tokens = batch * t.seq_len // cp
+    if tokens % 16 == 0:
+        return None
+    per_rank = f" / --parallelism.context_parallel_degree {cp}" if cp > 1 else ""
+    # Lengths that give a multiple of 16 tokens and that context parallel (2 x cp chunks) and the sequence-parallel
+    # split of each rank's share by tp still divide.
+    step = math.lcm(cp * 16 // math.gcd(16, batch), 2 * cp if cp > 1 else 1, cp * tp)
+    return (f"{batch_flag} {batch} x --training.seq_len {t.seq_len}{per_rank} = {tokens} tokens reach each float8 "
+            f"weight-gradient matmul, which contracts over them, and CUDA's float8 matmuls need a multiple of 16. Try "
+            f"--training.seq_len {max(step, t.seq_len // step * step)}, or --float8.emulate.")
+
+
+def check_flex_attention_device(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if cfg.model.attn_backend != "flex" or accelerator.is_cuda:
         return None
     return ("--model.attn_backend flex needs a CUDA GPU: torch has no FlexAttention backward on CPU. Use "
             f"--model.attn_backend sdpa, which masks {cfg.model.attn_mask_type} attention on any device.")
 
 
-@about_this_machine
-def check_mx_hardware(cfg: JobConfig, world_size: int) -> str | None:
+def check_mx_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     if "mx" not in cfg.model.converters or cfg.mx.emulate:
         return None
-    if not torch.cuda.is_available():
-        found = "this machine has no CUDA GPU"
-    elif torch.cuda.get_device_capability() < MX_MIN_CAPABILITY:
-        major, minor = torch.cuda.get_device_capability()
-        found = f"this {torch.cuda.get_device_name()} is {major}.{minor}"
-    else:
+    if accelerator.is_cuda and accelerator.capability >= MX_MIN_CAPABILITY:
         return None
+    or_simulate = ", or dry-run with --estimate.gpu B200" if accelerator.simulated else ""
     return (f"--model.converters mx runs natively only on NVIDIA GPUs with compute capability 10.0 or newer "
-            f"(Blackwell: B200, GB200, B300), whose tensor cores multiply MX blocks; {found}. Add --mx.emulate to "
-            f"run the same MX quantization with high-precision matmuls (correct numerics, no speed-up).")
+            f"(Blackwell: B200, GB200, B300), whose tensor cores multiply MX blocks; {accelerator.describe()}. Add "
+            f"--mx.emulate to run the same MX quantization with high-precision matmuls (correct numerics, no "
+            f"speed-up){or_simulate}.")
 
 
 def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
@@ -626,12 +660,10 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     if unknown:
         problems.append(f"--checkpoint.exclude_from_loading has unknown part(s) {', '.join(map(repr, unknown))}. "
                         f"Parts: {', '.join(CHECKPOINT_PARTS)}.")
-    if ckpt.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
-        problems.append("--checkpoint.async_mode async_with_pinned_mem copies device tensors into pinned host memory, "
-                        "which needs CUDA GPUs. Use --checkpoint.async_mode async on this machine.")
     if ckpt.create_seed_checkpoint and (world_size != 1 or not ckpt.enable):
         problems.append(f"--checkpoint.create_seed_checkpoint writes the initial weights from one process into "
-                        f"--checkpoint.folder: run it with --checkpoint.enable and NGPU=1 (world size is {world_size}).")
+                        f"--checkpoint.folder: run it with --checkpoint.enable and NGPU=1 "
+                        f"(world size is {world_size}).")
     if ckpt.initial_load_in_hf and ckpt.initial_load_path is None:
         problems.append("--checkpoint.initial_load_in_hf needs --checkpoint.initial_load_path, the Hugging Face folder "
                         "to load.")
@@ -641,14 +673,21 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
     problems += [f"--checkpoint.{name} {url!r}: {problem}" for name, url in urls if (problem := missing_backend(url))]
     initial = ckpt.initial_load_path
     if initial is not None and is_url(initial) and ckpt.initial_load_in_hf:
-        problems.append(f"--checkpoint.initial_load_path {initial!r} with --checkpoint.initial_load_in_hf: Hugging Face "
-                        f"folders are read from a local (or shared) filesystem only. Copy it there first (aws s3 cp "
-                        f"--recursive, gcloud storage cp -r) and pass that folder.")
+        problems.append(f"--checkpoint.initial_load_path {initial!r} with --checkpoint.initial_load_in_hf: "
+                        f"Hugging Face folders are read from a local (or shared) filesystem only. Copy it there first "
+                        f"(aws s3 cp --recursive, gcloud storage cp -r) and pass that folder.")
     if initial is not None and not is_url(initial) and not os.path.isdir(initial):
         problems.append(f"--checkpoint.initial_load_path {initial!r} is not a folder. Give a checkpoint step folder "
                         f"(e.g. outputs/checkpoint/step-1000, or s3://bucket/run/step-1000) or a Hugging Face model "
                         f"folder.")
     return problems
+
+
+def check_pinned_memory_checkpoint(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if cfg.checkpoint.async_mode == "async_with_pinned_mem" and not accelerator.is_cuda:
+        return ("--checkpoint.async_mode async_with_pinned_mem copies device tensors into pinned host memory, which "
+                "needs CUDA GPUs. Use --checkpoint.async_mode async on this machine.")
+    return None
 
 
 def check_spike_rollback(cfg: JobConfig, world_size: int) -> str | None:
@@ -672,29 +711,41 @@ def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
 
 
 RULES: tuple[Rule, ...] = (
-    check_flavor, check_mixture_of_experts, check_tied_embeddings, check_seq_len, check_global_batch, check_converters, check_converter_filters, check_tokenizer_path,
-    check_dataset_path, check_dump_folder, check_memory_snapshot, check_lr_multipliers, check_wandb_installed,
-    check_cpu_offload,
-    check_degree_product, check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches,
-    check_pipeline_schedule_support, check_context_parallel, check_tensor_parallel_shapes, check_async_tp,
-    check_selective_ac_option, check_float8_all_gather, check_float8_hardware, check_mx_hardware,
-    check_flex_attention_device, check_checkpoint, check_spike_rollback, check_time_limit, check_mixture,
-    check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
+    check_flavor, check_mixture_of_experts, check_tied_embeddings, check_seq_len, check_global_batch, check_converters,
+    check_converter_filters, check_tokenizer_path, check_dataset_path, check_dump_folder, check_lr_multipliers,
+    check_wandb_installed, check_degree_product, check_pipeline_split_points,
+    check_pipeline_stages, check_pipeline_microbatches, check_context_parallel, check_tensor_parallel_shapes,
+    check_selective_ac_option, check_float8_all_gather, check_checkpoint, check_spike_rollback, check_time_limit,
+    check_mixture, check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
+)
+HARDWARE_RULES: tuple[HardwareRule, ...] = (
+    check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,
+    check_float8_tokens, check_mx_hardware, check_flex_attention_device, check_pinned_memory_checkpoint,
 )
 
 
-def validate(cfg: JobConfig, world_size: int) -> None:
-    """Raise one ConfigError listing every problem in `cfg` for a run of `world_size` processes."""
+def validate(cfg: JobConfig, world_size: int, accelerator: Accelerator | None = None) -> None:
+    """Raise one ConfigError listing every problem in `cfg` for a run of `world_size` processes on `accelerator`
+    (default: the one the config targets, target_accelerator: the simulated --estimate.gpu for a dry run, else this
+    machine's GPU or CPU)."""
+    if accelerator is None:
+        accelerator = target_accelerator(cfg.job.dry_run, cfg.estimate.gpu)
     problems, bad_fields = check_domains(cfg)
     for rule in RULES:
         if bad_fields.intersection(getattr(rule, "needs_in_range", ())):
             continue
         if cfg.job.dry_run and getattr(rule, "about_this_machine", False):
             continue
-        found = rule(cfg, world_size)
-        if isinstance(found, str):
-            problems.append(found)
-        elif found:
-            problems.extend(found)
+        problems += found_problems(rule(cfg, world_size))
+    for hardware_rule in HARDWARE_RULES:
+        if not bad_fields.intersection(getattr(hardware_rule, "needs_in_range", ())):
+            problems += found_problems(hardware_rule(cfg, accelerator))
     if problems:
         raise ConfigError(problems)
+
+
+def found_problems(found: str | list[str] | None) -> list[str]:
+    """A rule's result as a list of problem lines."""
+    if isinstance(found, str):
+        return [found]
+    return list(found or [])

@@ -26,7 +26,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=["shipped", "text", "jsonl", "hf"], required=True,
                         help="the source, as --training.dataset names it")
-    parser.add_argument("--dataset_path", help="its files, folder or glob (text, jsonl), or dataset name or folder (hf)")
+    parser.add_argument("--dataset_path",
+                        help="its files, folder or glob (text, jsonl), or dataset name or folder (hf)")
     parser.add_argument("--held_out", action="store_true",
                         help="shipped only: the held-out validation documents instead of the training ones")
     parser.add_argument("--tokenizer_path", default=SHIPPED_TOKENIZER, help="as --model.tokenizer_path")

@@ -13,7 +13,8 @@ Both arrays are standard .npy files: `numpy.load(path, mmap_mode="r")` reads the
 
 A store is written under a temporary name in the same folder and renamed into place once complete (meta.json
 last), so a folder with the final name is never half-written: a preparation stopped by a full disk, a signal or a
-crash leaves at most the temporary folder, which the next preparation removes.
+crash leaves at most the temporary folder, .NAME.partial-HOST-PID, which the next preparation of the store on that
+host removes once process PID is gone.
 """
 
 import functools
@@ -21,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -332,16 +334,46 @@ def store_meta(dtype: np.dtype, num_tokens: int, num_documents: int, tokenizer: 
             "source": source, "content_hash": content, "preparation": preparation}
 
 
+def temporary_folder(out: Path) -> Path:
+    """Where this process writes the store `out` before renaming it into place. Named by host and PID, so that a
+    later preparation can tell a killed process's leftover from a preparation still running, on this host or on
+    another one sharing the filesystem."""
+    return out.parent / f".{out.name}.partial-{socket.gethostname()}-{os.getpid()}"
+
+
+def remove_abandoned(out: Path) -> None:
+    """Remove the temporary folders that preparations of `out` on this host left when killed: those whose process is
+    gone. Other hosts' folders are kept, since their PIDs can't be checked from here, and so are those of live
+    processes (another job preparing the same store)."""
+    prefix = f".{out.name}.partial-{socket.gethostname()}-"
+    for folder in out.parent.iterdir():
+        pid = folder.name.removeprefix(prefix)
+        if folder.name.startswith(prefix) and pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists (signal 0 checks without signalling)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's process
+        pass
+    return True
+
+
 def prepare_store(documents: Iterable[str], source: SourceDescription, tokenizer: Tokenizer, out: Path,
                   origin: str, workers: int | None = None) -> TokenStore:
     """Tokenize `documents` (the documents of `source`, in order) into a store at `out`, with `workers` processes
     (default: every core). A folder already at `out` is replaced only once the new store is complete."""
     workers = workers or os.cpu_count() or 1
-    temporary = out.parent / f".{out.name}.partial-{os.getpid()}"
+    temporary = temporary_folder(out)
     dtype = token_dtype(tokenizer.vocab_size)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(temporary, ignore_errors=True)
+        remove_abandoned(out)
+        shutil.rmtree(temporary, ignore_errors=True)  # a killed process's with this PID, now reused by this one
         temporary.mkdir()
         file_records = source.file_records()  # hashed first: a file changed while tokenizing then shows on resume
         tokens = NpyWriter(temporary / TOKENS_FILE, dtype)

@@ -14,8 +14,8 @@ output of splitmix64 seeded with the seed, as a fraction in [0, 1), picks the so
 weights it falls in. --training.dataset alone is a stream of one source.
 
 The state is the index of the next window and the number of windows drawn from each source so far (with each
-store's content hash and the sequence length, to check a resume against): plain values, the same on every rank and independent of the layout, so a
-resumed run on any data-parallel degree continues exactly.
+store's content hash and the sequence length, to check a resume against): plain values, the same on every rank and
+independent of the layout, so a resumed run on any data-parallel degree continues exactly.
 """
 
 import copy

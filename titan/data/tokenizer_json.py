@@ -3,16 +3,16 @@ tiktoken needs, without the `tokenizers` library: mergeable ranks, the split reg
 the NFC normalizer and the BOS and EOS from the tokenizer_config.json beside it.
 
 Why a vocab id can serve as tiktoken's rank: Hugging Face's BPE merges, in each pre-tokenized piece, the adjacent
-pair listed first in `model.merges`; tiktoken merges the adjacent pair whose joined bytes have the lowest rank.
-These files number their tokens in merge order: the 256 byte tokens first, then each merge's result the next id
-(the `tokenizers` BpeTrainer appends every merge's token to the vocab as it learns it; tiktoken's own GPT-2
-loader asserts that GPT-2's ids are its merge order; Qwen's ids are the ranks of Qwen's original tiktoken file,
-and files converted from tiktoken, such as Llama 3's, list every split of a token, grouped by that token's id). So the lowest-id joined token is the first listed
-merge, and both pick the same pair. check_merge_order checks that the file is in that order and that every token
-is some merge's result (tiktoken would otherwise merge into a token Hugging Face never forms). tiktoken also emits
-a piece that is itself a token as that token, as Hugging Face does with `ignore_merges` (Llama 3's files); files
-without it (Qwen2's, GPT-2's) get there by merging, since training made each token by merging its own bytes.
-tests/test_tokenizer_json.py compares ids with the `tokenizers` library on varied text.
+pair listed first in `model.merges`; tiktoken merges the adjacent pair whose joined bytes have the lowest rank. These
+files number their tokens in merge order: the 256 byte tokens first, then each merge's result the next id (the
+`tokenizers` BpeTrainer appends every merge's token to the vocab as it learns it; tiktoken's own GPT-2 loader asserts
+that GPT-2's ids are its merge order; Qwen's ids are the ranks of Qwen's original tiktoken file, and files converted
+from tiktoken, such as Llama 3's, list every split of a token, grouped by that token's id). So the lowest-id joined
+token is the first listed merge, and both pick the same pair. check_merge_order checks that the file is in that order
+and that every token is some merge's result (tiktoken would otherwise merge into a token Hugging Face never forms).
+tiktoken also emits a piece that is itself a token as that token, as Hugging Face does with `ignore_merges` (Llama 3's
+files); files without it (Qwen2's, GPT-2's) get there by merging, since training made each token by merging its own
+bytes. tests/test_tokenizer_json.py compares ids with the `tokenizers` library on varied text.
 """
 
 import json

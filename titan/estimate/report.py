@@ -5,12 +5,12 @@ that GPU's memory is the one verdict; everything about time is labelled an estim
 from collections import defaultdict
 
 from titan.config.errors import ConfigError
-from titan.metrics.log import logger
 from titan.config.job import Estimate
 from titan.estimate.data_cost import data_report_lines
 from titan.estimate.roofline import GPUS, Network, StepEstimate, collective_seconds, estimate_step
-from titan.estimate.trace import CATEGORIES
 from titan.estimate.simulate import DryRunResult
+from titan.estimate.trace import CATEGORIES
+from titan.metrics.log import logger
 
 GIB = 2**30
 
@@ -63,7 +63,7 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
         f"Model: {result.num_params:,} parameters{active_params_note(result)}, {result.flops_per_token / 1e9:.3g} "
         f"GFLOPs per token (6N + attention, the MFU convention, N the active parameters); this rank holds "
         f"{result.local_params:,} ({share:.2f}%).",
-        f"Memory at the step's peak, tensor bytes on this rank (GiB), eager code (compile off):",
+        "Memory at the step's peak, tensor bytes on this rank (GiB), eager code (compile off):",
         *(f"  {name:<28} {memory.by_category[name] / GIB:>8.2f}" for name in CATEGORIES),
         f"  {'total':<28} {memory.total / GIB:>8.2f}  of {gpu.hbm_bytes / GIB:.1f} GiB on an {gpu.name} "
         f"({100 * memory.total / gpu.hbm_bytes:.0f}%)",

@@ -9,26 +9,37 @@ tokenizer file when there is one, else Llama 3's); weights are not initialised (
 trunc_normal_ is data-dependent, which fake tensors can't run); torch.compile is off (it needs real kernels), so
 memory and time are the eager code's; tensors live on the CPU, which changes no shape, dtype or collective."""
 
+import contextlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan.config.hardware import Accelerator, simulated_accelerator
 from titan.config.job import JobConfig, Model
 from titan.config.paths import resolve_path
 from titan.config.stages import ideal_bubble_fraction
 from titan.data.tokenizer import build_tokenizer
+from titan.estimate.cuda_shim import build_cuda_shim
 from titan.estimate.data_cost import DataCost, measure_data_cost
+from titan.estimate.fake_cuda import simulated_gpu
 from titan.estimate.roofline import Collective, OpCost
-from titan.estimate.trace import OFFLOADED, GroupInfo, MemoryPeak, StepRecorder, memory_peak
+from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
 from titan.models.families import FAMILIES
 from titan.models.llama.args import LLAMA3_BOS_ID
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.pp import declare_static_shapes
+from titan.train.anomalies import skips_update
 from titan.train.step import TrainingStep, build_training_step
 
 
@@ -90,23 +101,27 @@ def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
 
 
 def random_batches(training: TrainingStep) -> Iterator[tuple[Tensor, Tensor]]:
-    """Random token ids of the real batch shape: the values never matter to shapes or memory."""
+    """Random token ids of the real batch shape, made in host memory and copied to the device as the trainer copies
+    the loader's batches: the values never matter to shapes or memory."""
     t, vocab_size = training.train_cfg, training.model_parts.args.vocab_size
     while True:
         tokens = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len + 1))
-        yield tokens[:, :-1], tokens[:, 1:]
+        yield (tokens[:, :-1].to(training.device, non_blocking=True),
+               tokens[:, 1:].to(training.device, non_blocking=True))
 
 
 def run_step(training: TrainingStep, recorder: StepRecorder | None) -> None:
-    """One training step as the trainer's train_step runs it (minus the judgement of the loss, which fake tensors
-    have no values for); the recorder learns which storages are gradients once backward made them."""
+    """One training step as the trainer queues it (Trainer.queue_gradients and queue_update): forward and backward,
+    clipping, the update skipped on the device for a non-finite loss or norm, and the copy of the loss, norm and skip
+    flag to the host. What the host does with them a step later needs their values, which fake tensors have none of.
+    The recorder learns which storages are gradients once backward made them."""
     batches = random_batches(training)
     micro_batches = [training.micro_batch(*next(batches)) for _ in range(training.grad_accumulation_steps)]
-    loss_sum, _ = training.compute_gradients(micro_batches)
-    training.global_mean(loss_sum)
+    loss_sum, grad_norm = training.compute_gradients(micro_batches)
+    loss = training.global_mean(loss_sum).float()
     if recorder is not None:
         recorder.label((p.grad for p in training.model.parameters() if p.grad is not None), "gradients")
-    training.apply_update(skip=None)
+    training.update_and_read_back(loss, grad_norm, skips_update(loss, grad_norm))
 
 
 def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecorder:
@@ -124,7 +139,10 @@ def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecord
     return recorder
 
 
-def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, data: DataCost) -> DryRunResult:
+def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, data: DataCost,
+                   host_memory: bool) -> DryRunResult:
+    """The report's facts about the recorded step. `host_memory`: storages in host memory are counted apart from the
+    GPU's (on a simulated GPU; on a CPU every storage is the device's)."""
     d, model_parts, pipeline = training.dims, training.model_parts, training.model_parts.pipeline
     bubble = (ideal_bubble_fraction(pipeline.schedule_name, d.pp, len(pipeline.parts), pipeline.num_microbatches)
               if pipeline is not None else 0.0)
@@ -135,7 +153,7 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
         num_active_params=model_parts.num_active_params,
         local_params=sum(local_numel(p) for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
-        memory=memory_peak(recorder, OFFLOADED if training.train_cfg.enable_cpu_offload else ()),
+        memory=memory_peak(recorder, host_memory),
         ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
         micro_batches=training.grad_accumulation_steps, data=data)
 
@@ -146,24 +164,58 @@ def local_numel(param: torch.Tensor) -> int:
     return local.numel()
 
 
-def run_dry_run(cfg: JobConfig, world_size: int, rank: int) -> DryRunResult:
-    """Simulate `rank` of a `world_size` job and return its recorded step; leaves no process group behind. The
-    trainer's own build (titan/train/step.py) runs on the CPU, its weights and everything after them on fake
-    tensors; a real run's pipeline stages confirm with their neighbours that every stage was told its shapes, which a
-    simulated rank has none of, so here its stages are declared static directly."""
+@dataclass(frozen=True)
+class RankRequest:
+    """What the process simulating one rank is asked (titan/estimate/gpu_rank.py)."""
+
+    cfg: JobConfig
+    world_size: int
+    rank: int
+    gpu: Accelerator | None
+    """The GPU the rank runs on; None simulates a CPU rank (scripts/validate_estimate.py checks those against real
+    CPU steps)."""
+
+
+class SimulatedRankError(Exception):
+    """A simulated rank's failure, with the traceback of the process that simulated it."""
+
+
+def run_dry_run(cfg: JobConfig, world_size: int, rank: int, simulate_gpu: bool = True) -> DryRunResult:
+    """Simulate `rank` of a `world_size` job, on the --estimate.gpu card (or, without `simulate_gpu`, on a CPU), and
+    return its recorded step. The rank is simulated in a process of its own (titan/estimate/gpu_rank.py), which sees
+    no real GPU; its errors are raised here."""
+    gpu = simulated_accelerator(cfg.estimate.gpu) if simulate_gpu else None
+    shim = str(build_cuda_shim()) if simulate_gpu else ""
+    with tempfile.TemporaryDirectory(prefix="titan_dry_run_") as folder:
+        request, response = Path(folder) / "request.pkl", Path(folder) / "response.pkl"
+        request.write_bytes(pickle.dumps(RankRequest(cfg, world_size, rank, gpu)))
+        command = [sys.executable, "-m", "titan.estimate.gpu_rank", shim, str(request), str(response)]
+        code = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False).returncode
+        if not response.is_file():
+            raise SimulatedRankError(f"The process simulating rank {rank} ended with exit code {code} before "
+                                     f"reporting; its output above says why.")
+        outcome = pickle.loads(response.read_bytes())
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def simulate_rank(request: RankRequest) -> DryRunResult:
+    """The simulation of one rank, in the process gpu_rank.py started for it: the fake process group, the trainer's
+    own build (titan/train/step.py) and two steps on fake tensors, on the simulated GPU's fake CUDA tensors under
+    its device rules (titan/estimate/fake_cuda.py). A real run's pipeline stages confirm with their neighbours that
+    every stage was told its shapes, which a simulated rank has none of, so here its stages are declared static."""
+    cfg, gpu = request.cfg, request.gpu
+    join_fake_process_group(request.rank, request.world_size)
+    dims = resolve_dims(cfg.parallelism, request.world_size, cfg.training.enable_cpu_offload)
+    device = torch.device("cuda", 0) if gpu is not None else torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        join_fake_process_group(rank, world_size)
-        dims = resolve_dims(cfg.parallelism, world_size)
-        training = build_training_step(cfg, dims, torch.device("cpu"), *dry_run_vocabulary(cfg.model),
-                                       fake_mode)
+    with simulated_gpu(gpu.name, gpu.capability, fake_mode) if gpu is not None else contextlib.nullcontext():
+        training = build_training_step(cfg, dims, device, *dry_run_vocabulary(cfg.model), fake_mode)
         if training.model_parts.pipeline is not None:
             declare_static_shapes(training.model_parts.pipeline.schedule)
         recorder = record_step(training, fake_mode)
-        dp_rank, dp_degree = data_parallel_rank(training.meshes)
-        data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,
-                                 training.grad_accumulation_steps)
-        return dry_run_result(training, rank, recorder, data)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    dp_rank, dp_degree = data_parallel_rank(training.meshes)
+    data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,
+                             training.grad_accumulation_steps)
+    return dry_run_result(training, request.rank, recorder, data, host_memory=gpu is not None)

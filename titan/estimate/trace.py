@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
@@ -28,9 +29,6 @@ functional_autograd = torch.ops._c10d_functional_autograd
 
 CATEGORIES = ("parameters", "gradients", "optimizer state", "communication buffers", "activations and temporaries")
 """How memory at the peak is split, in precedence order: a storage gets the first category that claims it."""
-OFFLOADED = ("parameters", "gradients", "optimizer state")
-"""What FSDP's CPU offload (--training.enable_cpu_offload) keeps in host memory: the sharded parameters, their
-sharded gradients, and so the optimizer state. Gathered parameters are communication buffers and stay on the GPU."""
 
 # Collective op -> (kind, where its payload is): the payload conventions of roofline.Collective. Non-functional
 # c10d ops take (output, input, group, ...) or (tensors, group, ...); functional ones end with the group's name.
@@ -58,18 +56,17 @@ FUNCTIONAL_COLLECTIVES = {
     functional.broadcast.default: "broadcast",
 }
 
-# CPU runs (the dry run's fake tensors included) take SDPA's CPU flash kernel, which torch's FLOP table lacks.
-CPU_FLASH_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 GROUPED_MM = aten._grouped_mm.default
-CPU_FLASH_ATTENTION_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-# Fused attention kernels (a dry run records the CPU ones; a run on a GPU the others), timed at the roofline's
-# attention efficiency rather than the matmuls'.
-ATTENTION_OPS = {getattr(aten, name) for name in (
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
-    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
-    "_flash_attention_forward", "_flash_attention_backward") if hasattr(aten, name)}
+# Fused attention kernels: forward and backward of SDPA's flash (CPU and CUDA), memory-efficient and cuDNN kernels.
+# Their FLOPs are counted here, as the work the kernel does (a causal kernel skips the masked half; torch's FLOP table
+# has no CPU kernels and counts causal kernels whole), and they are timed at the roofline's attention efficiency
+# rather than the matmuls'.
+ATTENTION_FORWARD = {getattr(aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention") if hasattr(aten, name)}
+ATTENTION_BACKWARD = {getattr(aten, f"{op._overloadpacket.__name__}_backward").default for op in ATTENTION_FORWARD
+                      if hasattr(aten, f"{op._overloadpacket.__name__}_backward")}
+ATTENTION_OPS = {op._overloadpacket for op in ATTENTION_FORWARD | ATTENTION_BACKWARD}
 
 
 @dataclass(frozen=True)
@@ -106,15 +103,14 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> flo
 
 
 def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> float:
-    """The op's FLOPs from torch's FLOP table (matmuls, fused attention), with CPU flash attention and grouped
-    matmuls added."""
+    """The op's FLOPs from torch's FLOP table (matmuls), with fused attention and grouped matmuls added."""
     if func is GROUPED_MM:
         return grouped_mm_flops(args[0], args[1], out)
-    if func is CPU_FLASH_ATTENTION:
-        return attention_flops(args[0], args[1], causal=bool(argument(func, args, kwargs, "is_causal")))
-    if func is CPU_FLASH_ATTENTION_BACKWARD:
-        # dQ, dK, dV and the recomputed scores: 2.5x the forward's matmul work, torch's convention for flash.
-        return 2.5 * attention_flops(args[1], args[2], causal=bool(argument(func, args, kwargs, "is_causal")))
+    if func in ATTENTION_FORWARD or func in ATTENTION_BACKWARD:
+        query, key = argument(func, args, kwargs, "query"), argument(func, args, kwargs, "key")
+        forward = attention_flops(query, key, causal=bool(argument(func, args, kwargs, "is_causal")))
+        # Backward: dQ, dK, dV and the recomputed scores, 2.5x the forward's matmul work (torch's convention).
+        return forward if func in ATTENTION_FORWARD else 2.5 * forward
     counter = flop_registry.get(func._overloadpacket)
     return float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
 
@@ -152,18 +148,24 @@ class StepRecorder(TorchDispatchMode):
     def __init__(self, groups: dict[str, GroupInfo]) -> None:
         super().__init__()
         self.groups = groups
+        self.paused = False
+        """Inside DTensor's sharding propagation, which runs ops on global-shape fake tensors to learn an output's
+        shape (context parallel's ring attention, on the whole sequence): work a GPU never does."""
         self.ops: list[OpCost] = []
         self.collectives: list[Collective] = []
         self.events: list[tuple[int, int]] = []
         """(storage id, change in bytes) in order: positive on allocation or growth, negative on free."""
         self.live: dict[int, int] = {}
         self.labels: dict[int, str] = {}
+        self.on_host: set[int] = set()
+        """Storages in host memory (a CPU tensor's, on a simulated GPU: CPU offload's shards, pinned copies)."""
         self._ids = WeakIdKeyDictionary()
         self._refs: dict[int, weakref.ref] = {}
         self._original_resize = None
 
     def __enter__(self) -> "StepRecorder":
         self._original_resize = torch.UntypedStorage.resize_
+        self._original_propagate = ShardingPropagator._propagate_tensor_meta_non_cached
         recorder = self
 
         def resize_(storage: torch.UntypedStorage, size: int) -> torch.UntypedStorage:
@@ -171,24 +173,39 @@ class StepRecorder(TorchDispatchMode):
             recorder.resized(storage, size)
             return result
 
+        def propagate(propagator: ShardingPropagator, *args: object, **kwargs: object) -> object:
+            recorder.paused = True
+            try:
+                return recorder._original_propagate(propagator, *args, **kwargs)
+            finally:
+                recorder.paused = False
+
         torch.UntypedStorage.resize_ = resize_
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
         return super().__enter__()
 
     def __exit__(self, *args: object) -> None:
         torch.UntypedStorage.resize_ = self._original_resize
+        ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate
         super().__exit__(*args)
 
     def register(self, tensors: Iterable[torch.Tensor], label: str) -> None:
         """Count the storages of `tensors` (already alive) under `label`, one of CATEGORIES."""
         for tensor in local_tensors(list(tensors)):
-            self.labels[self.see(tensor.untyped_storage())] = label
+            self.labels[self.see(tensor)] = label
 
     def label(self, tensors: Iterable[torch.Tensor], label: str) -> None:
         """Give the storages of `tensors`, seen during the step, the category `label` (gradients, once they exist)."""
         self.register(tensors, label)
 
-    def see(self, storage: torch.UntypedStorage) -> int:
-        """The storage's id; a storage seen for the first time is allocated now."""
+    def see(self, tensor: torch.Tensor) -> int:
+        """The id of the tensor's storage; a storage seen for the first time is allocated now."""
+        storage_id = self.see_storage(tensor.untyped_storage())
+        if tensor.device.type == "cpu":  # a fake tensor's storage is on "meta": its tensor says where it lives
+            self.on_host.add(storage_id)
+        return storage_id
+
+    def see_storage(self, storage: torch.UntypedStorage) -> int:
         known = self._ids.get(storage)
         if known is not None:
             return known
@@ -210,18 +227,20 @@ class StepRecorder(TorchDispatchMode):
     def resized(self, storage: torch.UntypedStorage, size: int) -> None:
         known = self._ids.get(storage)
         if known is None:
-            self.see(storage)
+            self.see_storage(storage)
         else:
             self.change(known, size)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204: torch's signature
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, untyped
         if any(issubclass(kind, DTensor) for kind in types):
             return NotImplemented
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         outputs = local_tensors(out)
         for tensor in outputs:
-            self.see(tensor.untyped_storage())
+            self.see(tensor)
         if func in C10D_COLLECTIVES or func in FUNCTIONAL_COLLECTIVES:
             self.record_collective(func, args, out)
         elif not func.is_view and self.moves_data(func, args, kwargs, outputs):
@@ -260,7 +279,7 @@ class StepRecorder(TorchDispatchMode):
             payload = {"output": args[0], "input": args[1], "tensors": args[0]}[where]
             buffers = local_tensors(args[:2] if where != "tensors" else args[0])
         for tensor in buffers:
-            storage_id = self.see(tensor.untyped_storage())
+            storage_id = self.see(tensor)
             self.labels.setdefault(storage_id, "communication buffers")
         group = self.groups.get(group_name, GroupInfo(dim=group_name, ranks=()))
         self.collectives.append(Collective(dim=group.dim, kind=kind, bytes=tensor_bytes(payload), ranks=group.ranks))
@@ -268,29 +287,25 @@ class StepRecorder(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MemoryPeak:
-    """Bytes live at the step's peak on the GPU, in total and by category (CATEGORIES), and the peak of what CPU
-    offload keeps in host memory instead (0 without it)."""
+    """Bytes live at the step's peak on the GPU, in total and by category (CATEGORIES), and the peak of what lives in
+    host memory instead (CPU offload's shards, gradients and optimizer state, pinned copies; 0 on a CPU rank)."""
 
     total: int
     by_category: dict[str, int]
     host: int = 0
 
 
-def memory_peak(recorder: StepRecorder, offloaded: tuple[str, ...] = ()) -> MemoryPeak:
-    """Replay the recorder's events to find the peak of live bytes on the GPU and what was live then; storages of
-    the `offloaded` categories are in host memory, with a peak of their own. Categories are settled after the step
-    (gradients are only known once they exist), so the split is exact at the peak too. (The dry run's one device
-    holds both: under offload, FSDP's copies between them are no-ops there, so the GPU's copy of one block's shard
-    on its way to the all-gather, and of a gradient shard on its way back, are not counted.)"""
-    on_host = [(storage_id, delta) for storage_id, delta in recorder.events
-               if recorder.labels.get(storage_id) in offloaded]
-    on_device = [(storage_id, delta) for storage_id, delta in recorder.events
-                 if recorder.labels.get(storage_id) not in offloaded]
-    live = live_at_peak(on_device)
+def memory_peak(recorder: StepRecorder, host_memory: bool) -> MemoryPeak:
+    """Replay the recorder's events to find the peak of live bytes on the device and what was live then; with
+    `host_memory`, storages of CPU tensors are in host memory, with a peak of their own. Categories are settled
+    after the step (gradients are only known once they exist), so the split is exact at the peak too."""
+    on_host = recorder.on_host if host_memory else set()
+    live = live_at_peak([(storage_id, delta) for storage_id, delta in recorder.events if storage_id not in on_host])
     by_category = dict.fromkeys(CATEGORIES, 0)
     for storage_id, size in live.items():
         by_category[recorder.labels.get(storage_id, "activations and temporaries")] += size
-    return MemoryPeak(total=sum(live.values()), by_category=by_category, host=sum(live_at_peak(on_host).values()))
+    host_events = [(storage_id, delta) for storage_id, delta in recorder.events if storage_id in on_host]
+    return MemoryPeak(total=sum(live.values()), by_category=by_category, host=sum(live_at_peak(host_events).values()))
 
 
 def live_at_peak(events: list[tuple[int, int]]) -> dict[int, int]:

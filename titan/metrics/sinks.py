@@ -97,7 +97,8 @@ class ConsoleSink:
             parts.append(("gc_pause_s", f"gc {1000 * record['gc_pause_s']:.0f}ms"))
         if record["tokens_by_source"]:
             total = sum(record["tokens_by_source"].values())
-            shares = " ".join(f"{name} {100 * tokens / total:.0f}%" for name, tokens in record["tokens_by_source"].items())
+            shares = " ".join(f"{name} {100 * tokens / total:.0f}%"
+                              for name, tokens in record["tokens_by_source"].items())
             parts.append(("tokens_by_source", f"mixture {shares}"))
         if record["moe_imbalance"] is not None:
             parts.append(("moe_imbalance", f"experts max/mean {record['moe_imbalance']:.2f}"))

@@ -1,43 +1,62 @@
 """Peak FLOP/s per known accelerator, the TFLOPs/MFU formula, and memory readings."""
 
+import re
 import resource
 import sys
 import time
 
 import torch
 
-# Dense bf16 tensor-core peak per device, from the vendors' datasheets (no sparsity).
-PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
-    # Order matters: the first name contained in the device name wins ("H100 PCIe" before "H100").
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),
-    ("H200", 989e12),
-    ("H20", 148e12),
-    ("GH200", 989e12),
-    ("B200", 2250e12),
-    ("B100", 1750e12),
-    ("GB200", 2500e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("MI300X", 1307e12),
-    ("MI325X", 1307e12),
-    ("MI250X", 383e12),
-)
+# Dense bf16 tensor-core peak per device (no sparsity), by model name: the vendors' datasheets, whose tables give
+# the sparse figure for NVIDIA's Hopper and Blackwell parts, halved here.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H100": 989e12,  # H100 SXM5 datasheet: 1,979 TFLOPS sparse
+    "H100 PCIe": 756e12,  # H100 datasheet, PCIe column: 1,513 sparse
+    "H100 NVL": 835e12,  # H100 datasheet, NVL column: 1,671 sparse
+    "H200": 989e12,  # H200 SXM datasheet: 1,979 sparse
+    "GH200": 989e12,  # GH200 Grace Hopper datasheet: 1,979 sparse
+    "H20": 148e12,  # H20 product brief: 148 dense
+    "B200": 2250e12,  # HGX B200 datasheet: 4.5 PFLOPS sparse per GPU
+    "B100": 1750e12,  # HGX B100 datasheet: 3.5 PFLOPS sparse per GPU
+    "GB200": 2500e12,  # GB200 NVL72 datasheet: 10 PFLOPS sparse per superchip of 2 GPUs
+    "A100": 312e12,  # A100 datasheet (SXM and PCIe): 312 dense
+    "A800": 312e12,  # A800 datasheet: 312 dense
+    "L40S": 362e12,  # L40S datasheet: 362.05 dense (733 sparse)
+    "L40": 181e12,  # L40 datasheet: 181.05 dense (362.1 sparse)
+    "L4": 121e12,  # L4 datasheet: 121 dense (242 sparse)
+    "A10G": 70e12,  # AWS's EC2 G5 documentation: 70 TFLOPS bf16 per A10G
+    "MI300X": 1307e12,  # AMD Instinct MI300X datasheet: 1,307.4 dense
+    "MI325X": 1307e12,  # AMD Instinct MI325X datasheet: 1,307.4 dense
+    "MI250X": 383e12,  # AMD Instinct MI250X datasheet: 383 dense
+}
+
+
+def name_words(name: str) -> list[str]:
+    """A device name's words, case-folded: torch writes them apart with spaces or dashes ("NVIDIA A100-SXM4-80GB")."""
+    return re.split(r"[\s-]+", name.strip().casefold())
+
+
+def peak_flops_for_name(name: str) -> float | None:
+    """Peak bf16 FLOP/s of the device torch.cuda.get_device_name() calls `name`, or None when no table entry names it.
+    An entry matches as whole words, and the longest matching entry wins ("H100 PCIe" over "H100"), so a model
+    number is never matched inside a longer one ("B200" in "GB200", "L4" in "L40")."""
+    words = name_words(name)
+    matching = [key for key in PEAK_BF16_FLOPS if contains_run(words, name_words(key))]
+    if not matching:
+        return None
+    return PEAK_BF16_FLOPS[max(matching, key=lambda key: len(name_words(key)))]
+
+
+def contains_run(words: list[str], run: list[str]) -> bool:
+    """Whether `run` appears in `words` as consecutive whole words."""
+    return any(words[i:i + len(run)] == run for i in range(len(words) - len(run) + 1))
 
 
 def peak_flops(device: torch.device) -> float | None:
     """Peak bf16 FLOP/s of `device`, or None where it is not in the table (CPUs, unknown GPUs): MFU is then omitted."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, flops in PEAK_BF16_FLOPS:
-        if key in name:
-            return flops
-    return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device))
 
 
 def achieved_tflops(flops_per_token: int, tokens_per_second: float) -> float:

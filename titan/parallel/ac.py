@@ -1,39 +1,54 @@
 """Activation checkpointing per transformer block: full, every k-th block, or selective by op."""
 
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titan.metrics.log import logger
 
 # Ops whose outputs selective AC keeps: expensive to recompute relative to the memory they hold.
-# Matmuls are kept every other call (see save_policy); attention and TP reductions always, also in fully
-# checkpointed blocks with save_attention.
+# Matmuls are kept every other call (see selective_policy); attention and TP reductions always, also in fully
+# checkpointed blocks with save_attention. FlexAttention reaches the policy as torch's flex_attention higher-order
+# op (torch/_higher_order_ops/flex_attention.py redirects it to the selective-checkpoint modes) where a compiled
+# block traces it (--training.compile) and where it runs eagerly (CPU); torchtitan's _op_sac_save_list keeps it too.
+# Eager blocks on CUDA call it as a compiled region of its own, whose kernels no dispatch mode sees.
 SAVE_ALWAYS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     SAVE_ALWAYS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
 
+# torch's selective checkpointing (2.13) counts every op a block runs and refuses a recompute that runs one more
+# often than the forward did. Profiler ranges are bookkeeping, not computation, and FSDP opens more of them when an
+# FSDP unit inside a block (a mixture of experts' experts) is recomputed in backward on a GPU: there it is the first
+# FSDP module of the pass, whose root pre-forward also opens "FSDP::inputs_to_device" (CUDA only). torch leaves the
+# ops it lists in SAC_IGNORED_OPS uncounted.
+SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
+                        torch.ops.profiler._record_function_exit._RecordFunction})
 
-def op_sac_context(save_matmuls: bool = True) -> tuple:
-    """Selective-checkpoint contexts that save SAVE_ALWAYS outputs and, with save_matmuls, every second matmul,
-    recomputing the rest (norms, activations, rotary): most of full AC's memory saving for a fraction of its
-    recompute. Without save_matmuls, a block keeps only its attention (and TP reduce-scatter) outputs: full AC
-    that skips recomputing the costliest op."""
+# The matmuls the "op" policy alternates on: plain, native float8 and MX (torch._scaled_mm) and a mixture of
+# experts' grouped matmul (titan/models/qwen3/moe.py).
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._grouped_mm.default}
+
+
+def selective_policy(save_matmuls: bool = True) -> Callable[..., CheckpointPolicy]:
+    """The selective-checkpoint policy of one checkpointed block: save SAVE_ALWAYS outputs and, with save_matmuls,
+    every second matmul, recomputing the rest."""
     mm_calls: defaultdict[str, int] = defaultdict(int)
 
     def save_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in SAVE_ALWAYS:
             return CheckpointPolicy.MUST_SAVE
-        if save_matmuls and op == torch.ops.aten.mm.default:
+        if save_matmuls and op in MATMULS:
             mode = "recompute" if ctx.is_recompute else "forward"
             mm_calls[mode] += 1
             # The same count in forward and recompute keeps the two passes' decisions aligned.
@@ -42,7 +57,15 @@ def op_sac_context(save_matmuls: bool = True) -> tuple:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(save_policy)
+    return save_policy
+
+
+def op_sac_context(save_matmuls: bool = True) -> tuple:
+    """Selective-checkpoint contexts that save SAVE_ALWAYS outputs and, with save_matmuls, every second matmul,
+    recomputing the rest (norms, activations, rotary): most of full AC's memory saving for a fraction of its
+    recompute. Without save_matmuls, a block keeps only its attention (and TP reduce-scatter) outputs: full AC
+    that skips recomputing the costliest op."""
+    return create_selective_checkpoint_contexts(selective_policy(save_matmuls))
 
 
 def keeps_attention(save_attention: bool, compiled: bool, on_gpu: bool) -> bool:

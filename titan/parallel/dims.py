@@ -1,4 +1,5 @@
-"""The device, parallel degrees, the process group, and the one device mesh every parallelism takes its sub-mesh from."""
+"""The device, parallel degrees, the process group, and the one device mesh every parallelism takes its sub-mesh
+from."""
 
 import os
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ class ParallelDims:
     tp: int
     ep: int = 1
     """Expert parallel: borrowed from dp_shard x cp (not a factor of the world size)."""
+    force_fsdp: bool = False
+    """FSDP2 also over a one-rank data-parallel mesh (--parallelism.force_fsdp, --training.enable_cpu_offload)."""
 
     @property
     def world_size(self) -> int:
@@ -50,8 +53,8 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         """FSDP2 wraps the model: over dp_shard x cp, since context-parallel ranks hold the same parameters and
-        average their gradients (HSDP when dp_replicate > 1)."""
-        return self.dp_degree * self.cp > 1
+        average their gradients (HSDP when dp_replicate > 1); on one such rank only when forced."""
+        return self.dp_degree * self.cp > 1 or self.force_fsdp
 
     @property
     def tp_enabled(self) -> bool:
@@ -75,32 +78,42 @@ class ParallelDims:
         return self.dp_shard * self.cp // self.ep
 
 
-def resolve_dims(par: Parallelism, world_size: int) -> ParallelDims:
-    """Degrees with data_parallel_shard_degree -1 replaced by the ranks left over. Validation has checked
-    that they divide the world size."""
+def resolve_dims(par: Parallelism, world_size: int, cpu_offload: bool) -> ParallelDims:
+    """Degrees with data_parallel_shard_degree -1 replaced by the ranks left over; FSDP forced by
+    --parallelism.force_fsdp or `cpu_offload` (FSDP's). Validation has checked that the degrees divide the world
+    size."""
     shard = par.data_parallel_shard_degree
     if shard == -1:
         shard = world_size // (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
                                * par.context_parallel_degree * par.tensor_parallel_degree)
     return ParallelDims(pp=par.pipeline_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
                         dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
-                        ep=par.expert_parallel_degree)
+                        ep=par.expert_parallel_degree, force_fsdp=par.force_fsdp or cpu_offload)
 
 
-def init_distributed(comm: Comm, device: torch.device, world_size: int, dump_folder: Path,
+def init_distributed(comm: Comm, device: torch.device, dims: ParallelDims, dump_folder: Path,
                      cpu_collectives: bool = False) -> None:
-    """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, unless this process
-    has joined it already (one that runs several jobs in turn, as the parity tests' harness does). The flight
-    recorder is turned on first: torch reads its settings when a group is created. `cpu_collectives` adds gloo for
-    host tensors next to nccl (CPU offload reduces the gradient norm over gradients in host memory)."""
-    if world_size == 1 or dist.is_initialized():
+    """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, or a group of this
+    process alone when FSDP is forced onto one rank, unless this process has joined one already (one that runs
+    several jobs in turn, as the parity tests' harness does). The flight recorder is turned on first: torch reads its
+    settings when a group is created. `cpu_collectives` adds gloo for host tensors next to nccl (CPU offload reduces
+    the gradient norm over gradients in host memory)."""
+    if (dims.world_size == 1 and not dims.dp_enabled) or dist.is_initialized():
         return
     enable_flight_recorder(comm, dump_folder)
     backend = "gloo" if device.type != "cuda" else "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
+    # One process needs no rendezvous: an in-memory store, also outside torchrun.
+    store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if dims.world_size == 1 else {}
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm.init_timeout_seconds),
-                            device_id=device if device.type == "cuda" else None)
-    logger.info(f"Joined a {backend} process group of {world_size} ranks (rank {dist.get_rank()}, "
+                            device_id=device if device.type == "cuda" else None, **store)
+    logger.info(f"Joined a {backend} process group of {dims.world_size} ranks (rank {dist.get_rank()}, "
                 f"local rank {os.environ.get('LOCAL_RANK', '0')})")
+
+
+def has_nccl(backend: str) -> bool:
+    """Whether a process group's backend string includes NCCL: "nccl", or "cuda:nccl,cpu:gloo" when gloo serves
+    host tensors beside it (init_distributed's cpu_collectives)."""
+    return any(entry.rpartition(":")[2] == "nccl" for entry in backend.split(","))
 
 
 def flight_recorder_env(comm: Comm, dump_folder: Path) -> dict[str, str]:
@@ -207,9 +220,9 @@ def set_collective_timeout(meshes: Meshes | None, seconds: int) -> None:
 
 
 def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes | None:
-    """The named 5-D mesh and its flattened views; None on a single process. DeviceMesh has no public flatten
-    yet; torchtitan uses _flatten and _unflatten the same way."""
-    if dims.world_size == 1:
+    """The named 5-D mesh and its flattened views; None on a single process, unless FSDP is forced onto it.
+    DeviceMesh has no public flatten yet; torchtitan uses _flatten and _unflatten the same way."""
+    if dims.world_size == 1 and not dims.dp_enabled:
         return None
     root = init_device_mesh(device.type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
                             mesh_dim_names=MESH_DIMS)

@@ -35,10 +35,12 @@ class ExpertParallelExperts(GroupedExperts):
         # (ep * local,): how many tokens each EP rank sends to each of this rank's experts, rank-major.
         received_counts = all_to_all_single(counts, None, None, group=group)
         local = self.num_experts // ep
-        # The only host reads of an MoE layer: all-to-all takes its split sizes as Python ints. Every rank routes as
-        # many copies (tokens x top_k), so on the dry run's fake tensors each receives as many as it sends.
-        send_splits = host_counts(counts.view(ep, local).sum(dim=1), x.size(0))
-        receive_splits = host_counts(received_counts.view(ep, local).sum(dim=1), x.size(0))
+        # The layer's one host read where grouped matmuls run (without them the experts read their counts too):
+        # all-to-all takes its split sizes as Python ints, so the sizes to send and to receive are read together, in
+        # one wait for the device. Every rank routes as many copies (tokens x top_k), so on the dry run's fake
+        # tensors each receives as many as it sends.
+        per_rank = torch.stack([counts.view(ep, local).sum(dim=1), received_counts.view(ep, local).sum(dim=1)])
+        send_splits, receive_splits = host_counts(per_rank, x.size(0))  # (2, ep): tokens to, then from, each rank
         received = all_to_all_single_autograd(x, receive_splits, send_splits, group=group)
         # received is grouped by source rank, then expert; the grouped matmul wants it grouped by expert.
         order = expert_major_order(received_counts, ep, local, num_rows=received.size(0))

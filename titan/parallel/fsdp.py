@@ -17,6 +17,11 @@ def reshard_block_after_forward(policy: str, layer_index: int, num_layers: int) 
     return layer_index < num_layers - 1
 
 
+def offload_policy(mesh: DeviceMesh, cpu_offload: bool) -> OffloadPolicy:
+    """FSDP's shards in host memory with `cpu_offload` (pinned where the mesh is on CUDA, for asynchronous copies)."""
+    return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                reshard_after_forward: str, cpu_offload: bool = False) -> None:
     """Shard every block of `model.layers`, then the root (embedding, final norm, output), over `mesh`:
@@ -24,13 +29,13 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     (replicate, shard) gives HSDP. `cpu_offload` keeps the shards, their gradients and so the optimizer state in
     host memory (pinned where the mesh is on CUDA, for asynchronous copies)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload_policy = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
+    offload = offload_policy(mesh, cpu_offload)
     num_layers = len(model.layers)
     for index, block in enumerate(model.layers.values()):
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+        fully_shard(block, mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
                     reshard_after_forward=reshard_block_after_forward(reshard_after_forward, index, num_layers))
     # The root's parameters are used last in forward and first in backward: no point resharding them.
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy,
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload,
                 reshard_after_forward=reshard_after_forward == "always")
     kind = "HSDP" if mesh.ndim == 2 else "FSDP2"
     logger.info(f"Applied {kind} over {tuple(mesh.shape)} ranks to {num_layers} blocks and the root "
@@ -38,13 +43,30 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 + (", shards, gradients and optimizer state in host memory)" if cpu_offload else ")"))
 
 
-def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
+                      cpu_offload: bool = False) -> None:
     """Shard every MoE layer's expert-parallel experts over `mesh` (the data-parallel ranks that hold the same
     experts: the block's FSDP can't, since their weights are already DTensors over ranks of its own mesh), each
     layer's experts one FSDP unit inside its block's. Their gradients are averaged over `mesh` like any FSDP
-    gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py)."""
+    gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py). `cpu_offload` keeps them in host
+    memory with the rest of the model's shards, so that every gradient, and its norm, is on one device."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
     for experts in units:
-        fully_shard(experts, mesh=mesh, mp_policy=mp_policy)
-    logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers")
+        fully_shard(experts, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload))
+    logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers"
+                + (", in host memory" if cpu_offload else ""))
+
+
+def apply_to_empty(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate the storage of a meta-built (and sharded) model, uninitialised, on `device`; under `cpu_offload`
+    its parameters in host memory instead, where FSDP's first forward checks they are (a DTensor keeps the device it
+    was made on, so FSDP moving the local shards there itself does not pass), and its buffers, which forward reads on
+    the device, on the device."""
+    if not cpu_offload:
+        model.to_empty(device=device)
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))

@@ -1,4 +1,5 @@
-"""Weights that are the same whatever the parallel layout, for CPU runs."""
+"""Weights that are the same whatever the parallel layout: where sharded random init cannot give them, each rank keeps
+its share of a full copy."""
 
 import torch
 from torch import nn
@@ -11,11 +12,19 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def needs_full_init(model: nn.Module, device: torch.device, pipelined: bool) -> bool:
-    """DTensor's sharded random init only reproduces the full tensor's values with CUDA's RNG; on CPU each
-    shard would draw the same numbers, and a pipeline stage would draw the first numbers of the seed's stream,
-    not its own layers'. There, CPU runs initialise a full copy and keep their part of it instead."""
-    return device.type == "cpu" and (pipelined or is_sharded(model))
+def needs_full_init(model: nn.Module, pipelined: bool, cpu_offload: bool) -> bool:
+    """Whether `model` (this rank's part) must keep its share of a full, unsharded copy initialised from the seed to
+    get the weights a single process gets. No sharded or staged random init gives them:
+    - on the CPU every shard draws the same numbers;
+    - on CUDA, DTensor's random ops draw from an RNG tracker of their own (a synchronised seed and offsets per
+      shard), not from the stream a single process reads: scripts/gpu_check.py saw FSDP over one H100 start at loss
+      8.2060 where the same seed without FSDP starts at 8.2329;
+    - under CPU offload the shards are in host memory when the weights are initialised;
+    - a pipeline stage initialises only its own layers from the seed, so its first layer draws the numbers the
+      embedding draws in a single process.
+    The copy is the whole model in float32 on the device, once per rank, while the weights are initialised
+    (full_copy_fits)."""
+    return pipelined or cpu_offload or is_sharded(model)
 
 
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -37,3 +46,12 @@ def apply_full_init(model: nn.Module, full: nn.Module) -> None:
         for name, buffer in full.named_buffers():
             if name in own_buffers:
                 own_buffers[name].copy_(buffer)
+
+
+def full_copy_fits(num_params: int, device: torch.device) -> bool:
+    """Whether a float32 copy of a model of `num_params` fits in the device's free memory (always on a CPU, whose
+    runs are small models), with 10% to spare for the allocator."""
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return num_params * 4 * 1.1 <= free

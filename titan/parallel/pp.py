@@ -1,5 +1,5 @@
-"""Pipeline parallel: a meta-built Llama or Qwen3 split into stages by FQN, each stage parallelized like a whole model, and a
-torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is the model)."""
+"""Pipeline parallel: a meta-built Llama or Qwen3 split into stages by FQN, each stage parallelized like a whole model,
+and a torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is the model)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,12 +24,12 @@ StageExamples = list[tuple[Tensor, Tensor]]
 
 
 class StageModel(nn.Module):
-    """The parts of a Transformer (any family's: `args` is its shape) that one pipeline stage runs, under the full model's FQNs (layers.<id>,
-    tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first stage takes token ids
-    (bs, seq), the last returns logits (bs, seq, padded_vocab) or, given labels, the summed loss (output_loss), the
-    others take and return hidden states (bs, seq, dim). Every stage also takes the tokens' positions and document
-    ids (Transformer.forward), which the schedule hands each stage. Absent parts are None. Every stage has its own
-    rotary table, attention mask and output loss (new ones when not given), which later stages may replace."""
+    """The parts of a Transformer (any family's: `args` is its shape) that one pipeline stage runs, under the full
+    model's FQNs (layers.<id>, tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first
+    stage takes token ids (bs, seq), the last returns logits (bs, seq, padded_vocab) or, given labels, the summed loss
+    (output_loss), the others take and return hidden states (bs, seq, dim). Every stage also takes the tokens' positions
+    and document ids (Transformer.forward), which the schedule hands each stage. Absent parts are None. Every stage has
+    its own rotary table, attention mask and output loss (new ones when not given), which later stages may replace."""
 
     def __init__(self, args: object, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
                  norm: nn.Module | None = None, output: nn.Module | None = None,
@@ -185,8 +185,8 @@ def build_pipeline(model: nn.Module, pp_mesh: DeviceMesh, par: Parallelism, loca
 def build_schedule(pipeline: Pipeline, example_io: StageExamples) -> _PipelineSchedule:
     """A torch.distributed.pipelining schedule over the pipeline's stages. Gradients are not rescaled by the
     schedule (scale_grads=False): the step scales each micro-batch's loss by the step's valid targets itself, since
-    the schedule's rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's (input,
-    output) of one micro-batch, so that the stages need not learn their shapes by running."""
+    the schedule's rescale would also divide gradients kept from earlier accumulation steps. example_io: each stage's
+    (input, output) of one micro-batch, so that the stages need not learn their shapes by running."""
     stages = [PipelineStage(part, stage_id, pipeline.num_stages, pipeline.device, input_args=example_in,
                             output_args=example_out, group=pipeline.pp_mesh.get_group())
               for part, stage_id, (example_in, example_out) in zip(pipeline.parts, pipeline.stage_ids, example_io)]

@@ -35,7 +35,7 @@ def parallelize_qwen3(model: nn.Module, dims: ParallelDims, meshes: Meshes | Non
                          fullgraph=model.args.moe is None)
     if dims.dp_enabled and dims.ep_enabled:
         apply_expert_fsdp(model, meshes.expert_fsdp, param_dtype=to_dtype(train.mixed_precision_param),
-                          reduce_dtype=to_dtype(train.mixed_precision_reduce))
+                          reduce_dtype=to_dtype(train.mixed_precision_reduce), cpu_offload=train.enable_cpu_offload)
     apply_data_parallel_step(model, dims, meshes, par, train)
 
 

@@ -16,8 +16,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh
     gradients are clipped to `max_norm` when it is positive. Returns the norm before clipping."""
     params = [p for p in parameters if p.grad is not None]
     # One norm per mesh: DTensor ops can't mix meshes, and expert-parallel experts live on another mesh than the
-    # rest of the model.
-    by_mesh: dict[DeviceMesh | None, list[Tensor]] = {None: []}
+    # rest of the model. Only meshes that hold gradients: torch's norm of no tensors is a CPU tensor(0.), which a
+    # GPU refuses to stack with the others (issue 33).
+    by_mesh: dict[DeviceMesh | None, list[Tensor]] = {}
     for param in params:
         by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param.grad)
     norms = []
@@ -25,7 +26,8 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         # Per-shard norms come back as a partial DTensor; full_tensor() reduces them to the global norm.
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total_norm = norms[0] if len(norms) == 1 else torch.stack(norms).norm()
+    # Gradients in host memory (CPU offload) give host norms: all on the first norm's device, as stack needs.
+    total_norm = norms[0] if len(norms) == 1 else torch.stack([norm.to(norms[0].device) for norm in norms]).norm()
     if pp_mesh is not None:
         # Each stage holds different parameters: the squared norms add up across the pipeline.
         total_norm = funcol.all_reduce(total_norm**2, reduceOp="sum", group=pp_mesh) ** 0.5

@@ -100,7 +100,8 @@ def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str |
 def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
     """Swap every eligible nn.Linear of `model` for a Float8Linear in place; one decision per linear."""
     return swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg),
-                        lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name, emulate=cfg.emulate),
+                        lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name,
+                                                                emulate=cfg.emulate),
                         f"float8 {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}")
 
 

@@ -120,6 +120,13 @@ def json_number(value: float) -> float | str:
     return value if math.isfinite(value) else str(value)
 
 
+def skips_update(loss: Tensor, grad_norm: Tensor, limit: float = math.inf) -> Tensor:
+    """Whether a step's update must not apply: its loss or gradient norm is not finite, or its loss is over `limit`
+    (compared in float64, as the host compares its float), as a 0-dim bool tensor on their device: no host read."""
+    applies = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss.double() <= limit)
+    return ~applies
+
+
 class AnomalyGuard:
     """Judges each step: on the device before its update (skips_update), and on the host once its loss and norm are
     read (inspect: a normal step, or an Anomaly saying whether the update applied, was skipped, or must be rolled
@@ -151,9 +158,7 @@ class AnomalyGuard:
         spike under --training.on_spike skip or rollback), as a 0-dim bool tensor on their device: no host read.
         The loss is compared in float64, as the host compares its float against the limit."""
         bound = self.detector.bound() if self.training.on_spike != "log" else None
-        limit = bound.limit if bound is not None else math.inf
-        applies = torch.isfinite(loss) & torch.isfinite(grad_norm) & (loss.double() <= limit)
-        return ~applies
+        return skips_update(loss, grad_norm, bound.limit if bound is not None else math.inf)
 
     def inspect(self, step: int, loss: float, grad_norm: float, data_position: dict[str, Any]) -> Anomaly | None:
         """None for a normal step (its loss joins the spike window), else the step's Anomaly, whose `applied` says

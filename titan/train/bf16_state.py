@@ -17,7 +17,7 @@ The update of each parameter is one torch.compile'd function (one fused kernel i
 the shard; dynamic shapes and learning rates, so it compiles a few times per process); the dry run's fake tensors
 take it uncompiled. Skipped updates (--training.on_nonfinite, --training.on_spike) are decided on the device, as for
 torch's fused Adam: while the trainer sets `found_inf`, a non-zero value leaves the parameters, moments and step
-counts as they were.
+counts bit for bit as they were, whatever the gradients hold (a skipped step's are often NaN or inf).
 """
 
 from collections.abc import Iterable
@@ -76,25 +76,24 @@ def matching_layout(grad: Tensor, param: Tensor) -> Tensor:
 def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, apply: Tensor,
                 keys: Tensor, lr: Tensor, weight_decay: Tensor, beta1: float, beta2: float, eps: float,
                 decoupled: bool) -> None:
-    """torch's single-tensor Adam(W) step on one flat shard, in place, each change scaled by `apply` (1 or 0); the
+    """torch's single-tensor Adam(W) step on one flat shard, in place, where `apply` (a 0-dim bool) is set; the
     moments computed in float32 and stored stochastically rounded, with `keys` (rounding_keys), when they are
-    bfloat16."""
-    step.add_(apply)
-    if decoupled:
-        weights.mul_(1 - lr * weight_decay * apply)
-    else:
+    bfloat16. Where `apply` is not set, weights, moments and step count keep their bits: the update is computed and
+    then not selected, never scaled by zero, since a skipped step's gradients are non-finite and NaN times 0 is NaN."""
+    new_step = step + 1
+    decayed = weights * (1 - lr * weight_decay) if decoupled else weights
+    if not decoupled:
         grad = grad + weights * weight_decay
-    new_exp_avg = exp_avg.float().lerp(grad, (1 - beta1) * apply)
-    new_exp_avg_sq = exp_avg_sq.float().lerp(grad * grad, (1 - beta2) * apply)
-    # a skipped first step leaves the count at 0, whose bias corrections would divide by zero
-    counted = step.clamp(min=1)
-    step_size = lr * apply / (1 - beta1 ** counted)
-    denom = new_exp_avg_sq.sqrt() / (1 - beta2 ** counted).sqrt() + eps
-    weights.addcdiv_(new_exp_avg * step_size, denom, value=-1)
+    new_exp_avg = exp_avg.float().lerp(grad, 1 - beta1)
+    new_exp_avg_sq = exp_avg_sq.float().lerp(grad * grad, 1 - beta2)
+    step_size = lr / (1 - beta1 ** new_step)
+    denom = new_exp_avg_sq.sqrt() / (1 - beta2 ** new_step).sqrt() + eps
+    weights.copy_(torch.where(apply, decayed.addcdiv(new_exp_avg * step_size, denom, value=-1), weights))
+    step.copy_(torch.where(apply, new_step, step))
     for moment, (state, value) in enumerate(((exp_avg, new_exp_avg), (exp_avg_sq, new_exp_avg_sq))):
         if state.dtype == torch.bfloat16:
             value = round_with(value, rounding_bits(value.numel(), keys[moment]))
-        state.copy_(value)
+        state.copy_(torch.where(apply, value, state))
 
 
 compiled_adam_update = torch.compile(adam_update, dynamic=True, fullgraph=True)
@@ -139,14 +138,14 @@ class BF16StateAdam(torch.optim.Optimizer):
             if param.grad is None:
                 continue
             state = self.state_of(param)
-            # 1 applies the update, 0 leaves everything as it was: a factor on the device, never read on the host
-            apply = torch.ones_like(state["step"]) if found_inf is None else (found_inf == 0).float()
             # flat views of the (contiguous) shards: one compiled kernel for every shape and rank of tensor
             weights, grad = local(param).view(-1), local(matching_layout(param.grad, param)).view(-1).float()
             exp_avg, exp_avg_sq = local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1)
+            # whether to apply the update: a flag on the device, never read on the host
+            apply = torch.ones((), dtype=torch.bool, device=weights.device) if found_inf is None else found_inf == 0
             update = adam_update if is_fake(weights) else compiled_adam_update
-            # keyed by the step count the update will have: a skipped step's bits come again at the next one
-            keys = rounding_keys(state["step"] + apply, param_index)
+            # keyed by the step count the update will have: a skipped step's bits go unused and come at the next one
+            keys = rounding_keys(state["step"] + 1, param_index)
             # The rates as 0-dim device tensors (a fill kernel each, no copy from the host): as Python floats the
             # compiled function would specialize on their first values, and which of its variants served a step
             # would depend on the run's history, so a resumed run could round differently from the one it continues.

@@ -1,6 +1,6 @@
 """Keeping experts evenly loaded between steps: each MoE layer's routed-token counts summed over the ranks that see
 different tokens, the auxiliary-loss-free bias update (DeepSeek-V3, arXiv:2408.15664), and the load the metrics
-report."""
+report, for every layer of the model, whichever pipeline stage holds it."""
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -14,47 +14,73 @@ NO_EXPERT_METRICS = {"moe_imbalance": None, "tokens_per_expert": None}
 """The load entries of a model without experts."""
 
 
+def moe_layers_by_block(model: nn.Module) -> dict[int, nn.Module]:
+    """The MoE layers of `model` (a whole model or this rank's pipeline stages, which keep the whole model's FQNs)
+    by the index of their block, layers.<index>, in the whole model."""
+    return {int(name.split(".")[1]): layer for name, layer in moe_layers(model).items()}
+
+
 class ExpertBalancer:
     """This rank's MoE layers, read after every optimizer step: the step's token counts (all data-parallel and
-    context-parallel ranks together) move each expert's routing bias by `coeff` towards the mean load, and stay as
-    `last_counts` for the metrics. The counts restart at zero for the next step."""
+    context-parallel ranks together) move each expert's routing bias by `coeff` towards the mean load, and, with
+    every pipeline stage's counts, stay as `last_counts` for the metrics. The counts restart at zero for the next
+    step."""
 
-    def __init__(self, model: nn.Module, coeff: float, dp_cp_mesh: DeviceMesh | None) -> None:
-        self.layers = moe_layers(model)
+    def __init__(self, model: nn.Module, num_blocks: int, coeff: float, count_mesh: DeviceMesh | None) -> None:
+        """`num_blocks`: the whole model's blocks. `count_mesh`: the ranks whose counts add up, every pipeline
+        stage's and every data- and context-parallel rank's (Meshes.loss); None on one process."""
+        self.layers = dict(sorted(moe_layers_by_block(model).items()))
+        self.num_blocks = num_blocks
         self.coeff = coeff
-        self.mesh = dp_cp_mesh
+        self.mesh = count_mesh
         self.last_counts: Readback | None = None
-        """The routed tokens of the last step, (layers x experts) flattened, on their way to the host."""
+        """The last step's table over every block, (blocks x (experts + 1)) flattened, on its way to the host: a
+        MoE block's routed tokens per expert, then how many ranks counted them (0 for a dense block)."""
 
     @torch.no_grad()
     def after_optimizer_step(self, skip: Tensor | None) -> None:
         """Read and reset the counts, and move the biases unless the update was skipped (`skip`, a 0-dim bool on
         the device; None: applied)."""
-        counts = torch.stack([layer.tokens_per_expert for layer in self.layers.values()])  # (layers, experts)
+        table = self.count_table()
         if self.mesh is not None and self.mesh.size() > 1:
-            counts = funcol.all_reduce(counts, reduceOp="sum", group=self.mesh)
-        self.last_counts = Readback(counts.flatten())
-        for index, layer in enumerate(self.layers.values()):
+            # One all-reduce gives both: a block's row is non-zero only on the pipeline stage that holds it, so the
+            # sum over pp x dp x cp is, in this rank's rows, the sum over its data- and context-parallel peers.
+            table = funcol.all_reduce(table, reduceOp="sum", group=self.mesh)
+        self.last_counts = Readback(table.flatten())
+        for index, layer in self.layers.items():
             layer.tokens_per_expert.zero_()
             bias = layer.router.expert_bias
             if bias is None:
                 continue
+            counts = table[index, :-1]
             # Experts under the mean load go up, those over it down; sign() makes the step independent of how
             # many tokens were counted (activation checkpointing counts recomputed blocks twice).
-            step = self.coeff * torch.sign(counts[index].mean() - counts[index])
+            step = self.coeff * torch.sign(counts.mean() - counts)
             bias.add_(step if skip is None else step * (~skip).to(step.dtype))
 
+    def count_table(self) -> Tensor:
+        """(blocks, experts + 1) on the device: this rank's MoE blocks' counts and a 1 after them, zero rows for
+        the blocks other stages hold. Stacked, not indexed into, so no index tensor travels from the host."""
+        rows = {index: torch.cat([layer.tokens_per_expert, torch.ones_like(layer.tokens_per_expert[:1])])
+                for index, layer in self.layers.items()}
+        absent = torch.zeros_like(next(iter(rows.values())))
+        return torch.stack([rows.get(index, absent) for index in range(self.num_blocks)])
+
     def load_metrics(self) -> dict[str, object]:
-        """The last step's load as record entries: moe_imbalance, the most loaded expert's tokens over the mean
-        (1.0 is perfect balance), in the worst layer; tokens_per_expert, each layer's counts. Waits only for the
-        copy queued after that step's update, not for the step queued since."""
-        counts = torch.tensor(self.last_counts.values()).view(len(self.layers), -1)  # (layers, experts)
-        imbalance = (counts.max(dim=1).values / counts.mean(dim=1).clamp(min=1)).max().item()
-        per_layer = {name.removesuffix(".moe"): [int(c) for c in row.tolist()]
-                     for name, row in zip(self.layers, counts)}
+        """The last step's load over every MoE layer of the model as record entries: moe_imbalance, the most loaded
+        expert's tokens over the mean (1.0 is perfect balance), in the worst layer; tokens_per_expert, each layer's
+        counts by its block's FQN, in model order. Waits only for the copy queued after that step's update, not for
+        the step queued since; the rest is Python on the host."""
+        values = self.last_counts.values()
+        width = len(values) // self.num_blocks  # experts + 1
+        rows = [values[index * width:(index + 1) * width] for index in range(self.num_blocks)]
+        per_layer = {f"layers.{index}": [int(count) for count in row[:-1]]
+                     for index, row in enumerate(rows) if row[-1] > 0}
+        imbalance = max(max(counts) / max(sum(counts) / len(counts), 1) for counts in per_layer.values())
         return {"moe_imbalance": imbalance, "tokens_per_expert": per_layer}
 
 
-def build_expert_balancer(model: nn.Module, coeff: float, dp_cp_mesh: DeviceMesh | None) -> ExpertBalancer | None:
-    """A balancer over the MoE layers of `model` (this rank's share), or None for a model without experts."""
-    return ExpertBalancer(model, coeff, dp_cp_mesh) if moe_layers(model) else None
+def build_expert_balancer(model: nn.Module, coeff: float, count_mesh: DeviceMesh | None) -> ExpertBalancer | None:
+    """A balancer over the MoE layers of `model` (this rank's share, whose `args` give the whole model's blocks),
+    or None for a model without experts. `count_mesh`: see ExpertBalancer."""
+    return ExpertBalancer(model, model.args.n_layers, coeff, count_mesh) if moe_layers(model) else None

@@ -33,7 +33,8 @@ def stop_hints(converters: list[str], compile_enabled: bool, max_norm: float) ->
         hints.append("clip gradients with --training.max_norm 1.0")
     hints.append("check the data around this step for broken documents")
     if converters:
-        hints.append(f"run once without --model.converters {','.join(converters)} to see whether low precision causes it")
+        hints.append(f"run once without --model.converters {','.join(converters)} to see whether low precision "
+                     f"causes it")
         if compile_enabled:
             hints.append("with low precision and --training.compile, RMSNorm's precision casts can differ from eager: "
                          "try --compile.emulate_precision_casts (or TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1)")

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from titan.config.dtypes import to_dtype
+from titan.config.errors import ConfigError
 from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
 from titan.models.families import FAMILIES, BuildOptions, ModelFamily
@@ -27,7 +28,8 @@ from titan.models.llama.loss import mask_cross_document_targets, num_valid_targe
 from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
-from titan.parallel.init import apply_full_init, needs_full_init
+from titan.parallel.fsdp import apply_to_empty
+from titan.parallel.init import apply_full_init, full_copy_fits, needs_full_init
 from titan.parallel.plans import PARALLELIZE_PLANS
 from titan.parallel.pp import Pipeline, StageShapes, build_pipeline, merge_stage_models
 from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
@@ -37,6 +39,7 @@ from titan.train.bf16_state import local
 from titan.train.expert_balance import NO_EXPERT_METRICS, ExpertBalancer, build_expert_balancer
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
+from titan.train.readback import Readback
 
 
 def set_seed(seed: int, deterministic: bool) -> None:
@@ -203,6 +206,12 @@ class TrainingStep:
         if self.balancer is not None:
             self.balancer.after_optimizer_step(skip)
 
+    def update_and_read_back(self, loss: Tensor, grad_norm: Tensor, skip: Tensor) -> Readback:
+        """Queue the update (skipped on the device where `skip` is set) and the copy of the step's loss, gradient
+        norm and skip flag to the host, which reads them a step later without waiting for the device."""
+        self.apply_update(skip)
+        return Readback(torch.stack([loss, grad_norm.float(), skip.float()]))
+
     def model_metrics(self) -> dict[str, object]:
         """What the model reports about the last step beyond the loss (a mixture of experts' load), for the
         metrics record; None values for a dense model. Reads the device."""
@@ -239,10 +248,11 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
     training = cfg.training if fake_mode is None else replace(cfg.training, compile=False)
     attn_backend, block_causal = cfg.model.attn_backend, cfg.model.attn_mask_type == "block_causal"
     if fake_mode is not None and attn_backend == "flex":
-        # FlexAttention has no backward on CPU, where the dry run's fake tensors live. Causal flash SDPA stands in:
-        # the same memory (outputs and log-sum-exps) and the causal half of the attention work, which bounds
-        # FlexAttention's block-causal work from above (it skips every masked block).
-        attn_backend, block_causal = "sdpa", False
+        # A FlexAttention block mask is built from the batch's values, which fake tensors have none of. Causal flash
+        # SDPA stands in: the same memory (outputs and log-sum-exps) and the causal half of the attention work, which
+        # bounds FlexAttention's block-causal work from above (it skips every masked block). Under context parallel
+        # the model's kernel is replaced by the context-parallel attention, block-causal as on the GPU.
+        attn_backend, block_causal = "sdpa", block_causal and dims.cp_enabled
         logger.info("Dry run: FlexAttention is simulated by causal flash attention (same memory; its causal half of "
                     "the attention FLOPs bounds block-causal work from above).")
     accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
@@ -254,7 +264,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         moe_load_balance_coeff=cfg.moe.load_balance_coeff))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.training.compile,
-                                     on_gpu=device.type == "cuda" or fake_mode is not None)
+                                     on_gpu=device.type == "cuda")
     parallelize = functools.partial(PARALLELIZE_PLANS[family.name], dims=dims, meshes=meshes, par=cfg.parallelism,
                                     ac=cfg.activation_checkpoint, train=training, compile_cfg=cfg.compile,
                                     keep_attention=keep_attention,
@@ -262,10 +272,11 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
     model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
     with fake_mode or contextlib.nullcontext():
         if fake_mode is None:
-            init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled)
+            init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled,
+                               cpu_offload=cfg.training.enable_cpu_offload)
         else:
             for part in model_parts.parts:
-                part.to_empty(device=device)
+                apply_to_empty(part, device, cfg.training.enable_cpu_offload)
         model_parts.model.train()
         optimizer = build_optimizer(model_parts.model, cfg.optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
@@ -273,7 +284,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
                         eos_id=eos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
                         balancer=build_expert_balancer(model_parts.model, cfg.moe.load_balance_coeff,
-                                                       meshes.dp_cp if meshes is not None else None))
+                                                       meshes.loss if meshes is not None else None))
 
 
 def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:
@@ -318,31 +329,46 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, famil
     else:
         parallelize(model)
         pipeline, parts, whole = None, [model], model
-    return ModelParts(family=family, args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion, fqns=fqns,
-                      num_params=total_params, num_active_params=family.num_active_params(args, model),
+    return ModelParts(family=family, args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion,
+                      fqns=fqns, num_params=total_params, num_active_params=family.num_active_params(args, model),
                       flops_per_token=flops)
 
 
-def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int, pipelined: bool) -> None:
+def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int, pipelined: bool,
+                       cpu_offload: bool) -> None:
     """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
     parts = model_parts.parts
     family = model_parts.family
-    if needs_full_init(parts[0], device, pipelined):
-        full = build_full_model(family, model_parts.args, device, seed)
-        for part in parts:
-            part.to_empty(device=device)
-            family.tie_weights(part)
-            apply_full_init(part, full)
-    else:
-        for part in parts:
-            materialize(family, part, device)
+    if needs_full_init(parts[0], pipelined, cpu_offload):
+        if full_copy_fits(model_parts.num_params, device):
+            full = build_full_model(family, model_parts.args, device, seed)
+            for part in parts:
+                apply_to_empty(part, device, cpu_offload)
+                family.tie_weights(part)
+                apply_full_init(part, full)
+            return
+        if cpu_offload:
+            raise ConfigError(f"--training.enable_cpu_offload initialises the weights from a float32 copy of the "
+                              f"whole model on the GPU ({model_parts.num_params * 4 / 2**30:.1f} GiB), so that the "
+                              f"shards in host memory get a single process's values, and it does not fit the GPU's "
+                              f"free memory. Train this model without offload, on more GPUs "
+                              f"(--parallelism.data_parallel_shard_degree).")
+        # A model too large for one device: pipeline stages draw from streams of their own (the seed and their first
+        # block), so no two stages share random numbers; sharded parameters draw from DTensor's RNG tracker. Either
+        # way the weights are the seed's, but not a single process's, and another layout gets others.
+        logger.info(f"The whole model ({model_parts.num_params * 4 / 2**30:.1f} GiB in float32) does not fit this "
+                    f"device's free memory to initialise a single process's weights from: each "
+                    f"{'pipeline stage' if pipelined else 'shard'} initialises from the seed by itself, so the "
+                    f"weights depend on the parallel layout.")
+    for part in parts:
+        if pipelined:
+            torch.manual_seed(seed + first_block(part))
+        materialize(family, part, device)
 
 
-def materialize(family: ModelFamily, model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-built model on the device and fill it with the family's init_weights."""
-    model.to_empty(device=device)
-    with torch.no_grad():
-        family.init_weights(model, device)
+def first_block(part: nn.Module) -> int:
+    """The id of a pipeline stage's first transformer block (0 for the first stage, or one without blocks)."""
+    return min((int(layer_id) for layer_id in part.layers), default=0)
 
 
 def build_full_model(family: ModelFamily, args: object, device: torch.device, seed: int) -> nn.Module:
@@ -352,3 +378,12 @@ def build_full_model(family: ModelFamily, args: object, device: torch.device, se
         full = family.model(args)
     materialize(family, full, device)
     return full
+
+
+def materialize(family: ModelFamily, model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-built model on the device and fill it with the family's init_weights."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        family.init_weights(model, device)
+
+

@@ -21,9 +21,9 @@ from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
+from titan.models.llama.batch import MicroBatch
 from titan.parallel.dims import build_device, data_parallel_rank, init_distributed, resolve_dims, set_collective_timeout
 from titan.train.anomalies import Anomaly, AnomalyGuard
-from titan.models.llama.batch import MicroBatch
 from titan.train.evaluate import EvalResult, evaluate
 from titan.train.garbage import ScheduledCollector
 from titan.train.nan_guard import stop_hints
@@ -84,10 +84,10 @@ class Trainer:
         self.cfg = cfg
         self.rank = current_rank()
         self.device = build_device()
-        self.dims = resolve_dims(cfg.parallelism, world_size)
+        self.dims = resolve_dims(cfg.parallelism, world_size, cfg.training.enable_cpu_offload)
         self.dump_folder = Path(cfg.job.dump_folder)
         self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder, world_size)
-        init_distributed(cfg.comm, self.device, world_size, self.dump_folder,
+        init_distributed(cfg.comm, self.device, self.dims, self.dump_folder,
                          cpu_collectives=cfg.training.enable_cpu_offload)
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
@@ -196,13 +196,12 @@ class Trainer:
         loss_sum, grad_norm = queued.gradients
         loss = training.global_mean(loss_sum).float()
         skip = self.anomalies.skips_update(loss, grad_norm)
-        training.apply_update(skip)
+        readback = training.update_and_read_back(loss, grad_norm, skip)
         group = training.optimizer.param_groups[0]
         self.current_lr = group["lr"] / group["lr_multiplier"]  # the schedule's rate, which groups scale
         self.tokens_seen += training.global_tokens_per_step
         tokens_by_source = self.dataloader.tokens_per_source() if self.should_log(queued.step) else None
-        self.pending = PendingStep(queued, self.current_lr, tokens_by_source,
-                                   Readback(torch.stack([loss, grad_norm.float(), skip.float()])))
+        self.pending = PendingStep(queued, self.current_lr, tokens_by_source, readback)
 
     def finish_step(self) -> StepResult | None:
         """Read the pending step's loss and norm and do what the host does about them: judge the step (log,

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from titan.exits import EXIT_HUNG, announce_stop
 from titan.metrics.log import logger
+from titan.parallel.dims import has_nccl
 
 PEER_DUMP_WAIT = timedelta(seconds=10)
 """How long a hung rank waits for the other ranks' stack files before it exits (they fire within moments of it,
@@ -189,7 +190,7 @@ class Watchdog:
             return []
         c10d = torch._C._distributed_c10d
         dumps = [("gloo_rank_", c10d._dump_fr_trace)]
-        if dist.get_backend() == "nccl":
+        if has_nccl(dist.get_backend()):
             dumps.insert(0, ("rank_", c10d._dump_nccl_trace))
         written = []
         for prefix, dump in dumps:

@@ -15,12 +15,18 @@ FlexAttention has no backward on CPU (torch 2.13 raises NotImplementedError), so
 SDPA and a dense mask (config/validate.py says so before step 1); on CUDA FlexAttention skips the masked blocks.
 """
 
-from typing import Literal
+from collections.abc import Callable
+from functools import cache
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# torch.nn.attention.flex_attention imports dynamo and inductor (about 2 s): it is imported where a FlexAttention
+# kernel or mask is first used, so that a process that only checks a config (the launcher, `--help`) starts without it.
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 AttnBackend = Literal["sdpa", "flex"]
 
@@ -80,20 +86,27 @@ def build_dense_mask(document_ids: Tensor) -> Tensor:
     return (same_document & causal)[:, None]
 
 
-# torch's fused FlexAttention kernels exist only in compiled code: called eagerly, flex_attention runs an unfused
-# reference that holds the whole score matrix. On CUDA it is always compiled, on its own in eager blocks (as
-# torchtitan does) and with the block under --training.compile. On CPU, where torch has no FlexAttention backward
-# and it only runs forward (evaluation, tests), eager blocks take the reference.
-_compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+@cache
+def compiled_flex_attention() -> Callable[..., Tensor]:
+    """flex_attention compiled, once per process. torch's fused FlexAttention kernels exist only in compiled code:
+    called eagerly, flex_attention runs an unfused reference that holds the whole score matrix. On CUDA it is always
+    compiled, on its own in eager blocks (as torchtitan does) and with the block under --training.compile. On CPU,
+    where torch has no FlexAttention backward and it only runs forward (evaluation, tests), eager blocks take the
+    reference."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
 
 
 class FlexAttention(nn.Module):
     """Attention of q (bs, heads, seq, head_dim) over k, v (bs, kv_heads, seq, head_dim) under a BlockMask
     (build_block_mask), by torch's FlexAttention, grouped kv heads read in place."""
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: BlockMask) -> Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: "BlockMask") -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
         if q.device.type == "cuda":
-            return _compiled_flex_attention(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
+            return compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=q.size(1) != k.size(1))
         # Inductor's CPU FlexAttention lowering (torch 2.13) reads the shape of the buffer under a view: q and k are
         # views of RoPE's 5-D output, so a compiled block fails with "too many values to unpack (expected 4)".
         # Contiguous inputs are 4-D buffers of their own.
@@ -101,10 +114,12 @@ class FlexAttention(nn.Module):
                               enable_gqa=q.size(1) != k.size(1))
 
 
-def build_block_mask(document_ids: Tensor | None, seq: int, device: torch.device) -> BlockMask:
+def build_block_mask(document_ids: Tensor | None, seq: int, device: torch.device) -> "BlockMask":
     """The FlexAttention mask of one batch: causal, and with `document_ids` (bs, seq) also within documents. On CUDA
     the mask is built by compiled code, as torchtitan does: eagerly it evaluates the mask for every (query, key)
     pair, which costs a small model's step tens of milliseconds."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
     compiled = device.type == "cuda"
     if document_ids is None:
         def causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -116,7 +131,7 @@ def build_block_mask(document_ids: Tensor | None, seq: int, device: torch.device
     return create_block_mask(block_causal, document_ids.size(0), None, seq, seq, device=device, _compile=compiled)
 
 
-Mask = BlockMask | Tensor | None
+Mask = Union["BlockMask", Tensor, None]
 """What a block's attention kernel reads besides q, k and v (AttentionMask's output)."""
 
 

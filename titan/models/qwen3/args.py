@@ -3,8 +3,8 @@ model."""
 
 from dataclasses import dataclass, replace
 
-from titan.models.llama.attention import AttnBackend
 from titan.models.llama.args import RopeScaling
+from titan.models.llama.attention import AttnBackend
 
 # Qwen3's vocabulary as its checkpoints store it: 151,669 tokens padded to 151,936 rows. The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.

@@ -51,12 +51,14 @@ def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
     return torch.cat(outputs)
 
 
-def host_counts(counts: Tensor, total: int) -> list[int]:
-    """counts (a 1-D tensor adding up to `total`) as Python ints, for ops that take sizes. The dry run's fake tensors
-    have no values: there the `total` rows are spread evenly, the balance the router is trained towards."""
+def host_counts(counts: Tensor, total: int) -> list[int] | list[list[int]]:
+    """counts (a 1-D tensor adding up to `total`, or 2-D with every row adding up to it) as Python ints, for ops
+    that take sizes, in one read. The dry run's fake tensors have no values: there the `total` rows are spread
+    evenly, the balance the router is trained towards."""
     if is_fake(counts):
-        share, extra = divmod(total, counts.numel())
-        return [share + (i < extra) for i in range(counts.numel())]
+        share, extra = divmod(total, counts.size(-1))
+        row = [share + (i < extra) for i in range(counts.size(-1))]
+        return row if counts.dim() == 1 else [list(row) for _ in range(counts.size(0))]
     return counts.tolist()
 
 
@@ -141,7 +143,8 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, dim)  # (bs * seq, dim)
         weights, experts, probs = self.router(tokens)
         flat_experts = experts.flatten()  # (bs * seq * top_k,): token t's choices at t * top_k ...
-        counts = torch.zeros_like(probs[0]).scatter_add_(0, flat_experts, torch.ones_like(flat_experts, dtype=probs.dtype))
+        ones = torch.ones_like(flat_experts, dtype=probs.dtype)
+        counts = torch.zeros_like(probs[0]).scatter_add_(0, flat_experts, ones)  # (num_experts,) routed copies
         if self.training and torch.is_grad_enabled():
             # Forwards without gradients are no training tokens (a pipeline stage's shape inference runs one).
             # Activation checkpointing counts a recomputed block twice; shares of tokens, which is what the metrics

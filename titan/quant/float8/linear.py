@@ -88,8 +88,10 @@ def scaled_matmul(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dt
     if a_scale.dim() != b_scale.dim():
         a_scale = a_scale.expand(a.shape[0], 1).contiguous()
         b_scale = b_scale.expand(1, b.shape[1]).contiguous()
-    # CUDA's rowwise kernel only writes bf16; cast afterwards for other output dtypes.
-    mm_dtype = torch.bfloat16 if a_scale.dim() > 0 and a.is_cuda else out_dtype
+    # CUDA's rowwise kernels write only bf16 (CUTLASS's f8f8bf16_rowwise on SM89 and SM100; cuBLAS's fp32 output is
+    # SM90 only), so rowwise products are rounded to bf16 and cast afterwards. The CPU kernel could write fp32, but
+    # rounds the same way, so that an fp32 run computes the same numbers on every device (and as torchao does).
+    mm_dtype = torch.bfloat16 if a_scale.dim() > 0 else out_dtype
     # _scaled_mm wants a row-major, b column-major, and the inverse (dequantizing) scales.
     out = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
                            scale_b=b_scale.reciprocal(), out_dtype=mm_dtype)
