@@ -18,8 +18,8 @@ import time
 
 import torch
 import torch._dynamo
-from bench_common import DEBUG_TOML, peak_tensor_bytes
 
+from bench_common import DEBUG_TOML, peak_tensor_bytes
 from titan.config.check import load_job_config
 from titan.train.trainer import Trainer
 

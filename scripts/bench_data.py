@@ -136,8 +136,8 @@ out, sys.argv = sys.argv[1], sys.argv[2:]
 atexit.register(lambda: open(out, "w").write(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)))
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-"""Runs train.py (sys.argv[2], its flags after it) and writes its max resident MB to sys.argv[1] at exit (train.py ends with
-exit_process, which runs atexit handlers)."""
+"""Runs train.py (sys.argv[2], its flags after it) and writes its max resident MB to sys.argv[1] at exit (train.py
+ends with exit_process, which runs atexit handlers)."""
 
 
 def train_and_measure(store: Path, dump: Path, steps: int) -> dict:

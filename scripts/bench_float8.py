@@ -12,9 +12,9 @@ import argparse
 import time
 
 import torch
-from bench_common import DEBUG_TOML, final_loss, llama_8b_linear_shapes, time_fwd_bwd
 from torch import nn
 
+from bench_common import DEBUG_TOML, final_loss, llama_8b_linear_shapes, time_fwd_bwd
 from titan.config.check import load_job_config
 from titan.metrics.log import init_logger
 from titan.quant.float8.linear import RECIPES, Float8Linear
@@ -30,7 +30,8 @@ def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
     for name, in_features, out_features in llama_8b_linear_shapes():
         x = torch.randn(tokens, in_features, device=device, dtype=dtype)
         reference = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
-        modules = [reference] + [Float8Linear.from_linear(reference, recipe_name=recipe, emulate=False) for recipe in RECIPES]
+        modules = [reference] + [Float8Linear.from_linear(reference, recipe_name=recipe, emulate=False)
+                                 for recipe in RECIPES]
         if compile_modules:
             modules = [torch.compile(m) for m in modules]
         seconds = [time_fwd_bwd(m, x, repeats) for m in modules]

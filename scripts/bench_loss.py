@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from bench_common import interleaved_median_seconds, peak_tensor_bytes
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from bench_common import interleaved_median_seconds, peak_tensor_bytes
 from titan.models.llama.args import padded_vocab_size
 from titan.models.llama.loss import OutputLoss
 

@@ -13,9 +13,9 @@ of configs/debug_model.toml (--loss-curve).
 import argparse
 
 import torch
-from bench_common import final_loss, llama_8b_linear_shapes, median_seconds, time_fwd_bwd
 from torch import nn
 
+from bench_common import final_loss, llama_8b_linear_shapes, median_seconds, time_fwd_bwd
 from titan.config.validate import MX_MIN_CAPABILITY
 from titan.metrics.log import init_logger
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
@@ -47,7 +47,8 @@ def bench_quantize(rows: int, cols: int, repeats: int) -> None:
     peak = peak_bandwidth(device)
     print(f"MX quantize (E4M3, blocks of {MX_BLOCK_SIZE}) of a {rows}x{cols} {dtype} tensor on {device}"
           + (f" ({torch.cuda.get_device_name(device)}, peak {peak / 1e9:,.0f} GB/s)" if peak else ""))
-    print(f"{'implementation':<18} {'blocks along':<15} {'us':>10} {'GB/s':>10}" + (f" {'% of peak':>10}" if peak else ""))
+    print(f"{'implementation':<18} {'blocks along':<15} {'us':>10} {'GB/s':>10}"
+          + (f" {'% of peak':>10}" if peak else ""))
     implementations = [("torch eager", torch_quantize),
                        ("torch compiled", torch.compile(torch_quantize, dynamic=False))]
     if device.type == "cuda":

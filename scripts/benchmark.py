@@ -100,13 +100,13 @@ from tests.reference.rope_ref import complex_rope  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.config.paths import is_url  # noqa: E402
+from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
 from titan.models.llama.attention import expand_kv_heads  # noqa: E402
 from titan.models.llama.loss import num_valid_targets  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
-from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 PIPELINE_SCHEDULES = get_args(get_type_hints(Parallelism)["pipeline_parallel_schedule"])
@@ -624,8 +624,9 @@ class Contender:
         if self.trainer.cfg.training.compile:
             return
         with self.patched():
+            training = self.trainer.training
             self.peak_bytes = peak_tensor_bytes(lambda: timed_train_steps(self.trainer, self.data_iterator, 1),
-                                                *self.trainer.training.model_parts.parts, self.trainer.training.optimizer)
+                                                *training.model_parts.parts, training.optimizer)
 
 
 def ablation_contenders() -> list[Contender]:

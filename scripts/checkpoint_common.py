@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan.config.errors import ConfigError  # noqa: E402
-from titan.config.job import MoE, Model  # noqa: E402
+from titan.config.job import Model, MoE  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
 from titan.config.validate import check_flavor  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402

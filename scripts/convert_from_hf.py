@@ -24,7 +24,6 @@ from checkpoint_common import (
     parse_with_titan_flags,
     run_script,
 )
-
 from titan.checkpoint.dcp import save_model_weights
 from titan.checkpoint.hf_io import read_hf_weights
 from titan.metrics.log import logger

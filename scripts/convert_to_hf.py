@@ -22,7 +22,6 @@ from checkpoint_common import (
     parse_with_titan_flags,
     run_script,
 )
-
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import check_shapes, titan_shapes
 from titan.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, save_hf

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+
 from checkpoint_common import (
     TITAN_FLAGS_HELP,
     build_args,
@@ -22,8 +24,6 @@ from checkpoint_common import (
     parse_with_titan_flags,
     run_script,
 )
-from torch import Tensor, nn
-
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import check_shapes, titan_shapes
 from titan.checkpoint.hf_io import read_hf_weights

@@ -20,9 +20,8 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
-
 from pydoc_data.topics import topics
+from types import ModuleType
 
 # Run as `python scripts/make_corpus.py`, Python puts scripts/ (not the project root) on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -58,7 +58,8 @@ def table(config: str, world_sizes: list[int], flags: list[str]) -> None:
                 print(f"    ({saver}, {world_size} GPUs: {outcome})", file=sys.stderr)
                 continue
             gpu, host, capacity = outcome
-            cells.append(f"{gpu:>7.1f}" + (f" +{host:>5.0f}h" if host else " " * 7) + (" *" if gpu > capacity else "  "))
+            cells.append(f"{gpu:>7.1f}" + (f" +{host:>5.0f}h" if host else " " * 7)
+                         + (" *" if gpu > capacity else "  "))
             if gpu <= capacity and smallest is None:
                 smallest = world_size
         print(f"  {saver:<22} " + " ".join(cells) + f"  {smallest or '> ' + str(world_sizes[-1])}")

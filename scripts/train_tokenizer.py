@@ -15,12 +15,12 @@ from pathlib import Path
 
 # Run as `python scripts/train_tokenizer.py`, Python puts scripts/ (not the project root) on sys.path.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bpe_train import train_bpe, write_tiktoken  # noqa: E402  (scripts/, beside this file)
 from titan.config.errors import ConfigError  # noqa: E402
 from titan.data.dataset import read_documents  # noqa: E402
 from titan.data.tokenizer import LLAMA3_NUM_RANKS, TITAN_SPECIAL_TOKENS, Tokenizer  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
-from bpe_train import train_bpe, write_tiktoken  # noqa: E402  (scripts/, beside this file)
 
 
 def parse_args() -> argparse.Namespace:

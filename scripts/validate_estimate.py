@@ -5,8 +5,9 @@
     python scripts/validate_estimate.py --check debug-fsdp2 debug-tp2   # some cases; exit 1 past the tolerance
 
 Each case is a Titan job at a world size. Its prediction is rank 0 of a fake-tensor dry run at that world size
-(titan/estimate/simulate.py, in a process of its own); its measurement is rank 0 of the same job run for real, after
-two steps that create the optimizer state and warm the caches:
+(titan/estimate/simulate.py; one process runs every case's); its measurement is rank 0 of the same job run for real
+(one process, or one torchrun launch, per world size), after two steps that create the optimizer state and warm the
+caches:
 - peak memory of one step, in tensor bytes: on CPU, torch's MemTracker (every storage the dispatcher sees, with the
   model and optimizer registered before the step, no allocator caching; not RSS); on CUDA,
   torch.cuda.max_memory_allocated. Both are independent of the dry run's own accounting.
@@ -53,9 +54,14 @@ class Case:
     world_size: int
     flags: tuple[str, ...]
 
+    @property
+    def cuda(self) -> bool:
+        """A one-GPU case (cuda_cases), predicted on the simulated GPU; the others are predicted on the CPU."""
+        return "-cuda-" in self.name
 
-# A dry run simulates GPU ranks, whose eager checkpointed blocks recompute attention (titan/parallel/ac.py
-# keeps_attention); a CPU run keeps it unless told not to, so the CPU cases of full AC say so.
+
+# The CPU cases of full AC recompute attention, as a GPU's eager checkpointed blocks do (titan/parallel/ac.py
+# keeps_attention), where a CPU run would keep it.
 FULL_AC_RECOMPUTING_ALL = ("--activation_checkpoint.save_attention", "false")
 
 
@@ -98,22 +104,22 @@ def bytes_by_dim_and_kind(collectives: list[Collective]) -> dict[str, int]:
     return totals
 
 
-def predict(world_size: int, flags: list[str]) -> dict:
-    """Rank 0 of the dry run: peak bytes, collective bytes per 'dim kind', roofline step seconds."""
+def predict(world_size: int, flags: list[str], cuda: bool) -> dict:
+    """Rank 0 of the dry run, simulated on the GPU for the --cuda cases and on the CPU for the others (the device
+    the measurement runs on): peak bytes, collective bytes per 'dim kind', roofline step seconds."""
     from titan.estimate.report import step_estimate
     from titan.estimate.simulate import run_dry_run
 
     cfg = load_job_config([*flags, "--job.dry_run"], world_size)
-    result = run_dry_run(cfg, world_size, rank=0)
+    result = run_dry_run(cfg, world_size, rank=0, simulate_gpu=cuda)
     return {"peak": result.memory.total, "collectives": bytes_by_dim_and_kind(result.collectives),
             "step_s": step_estimate(result, cfg.estimate).step_s}
 
 
 def measure(world_size: int, flags: list[str]) -> dict:
     """The real job's rank 0: peak bytes of one step, collective bytes of one step, median step seconds."""
-    from titan.estimate.trace import StepRecorder
-    from titan.parallel.dims import destroy_distributed
     from titan.estimate.simulate import group_infos
+    from titan.estimate.trace import StepRecorder
     from titan.train.trainer import Trainer
 
     trainer = Trainer(load_job_config(flags, world_size), world_size)
@@ -139,20 +145,22 @@ def measure(world_size: int, flags: list[str]) -> dict:
     if world_size > 1:
         with recorder:
             trainer.train_step(batches)
-    destroy_distributed(wait_for_peers=True)
     return {"peak": peak, "collectives": bytes_by_dim_and_kind(recorder.collectives),
             "step_s": statistics.median(seconds) if seconds else None}
 
 
-def start_worker(role: str, case: Case, folder: Path) -> tuple[subprocess.Popen, Path]:
-    """Start predict or measure for `case` in fresh processes (torchrun for a measured world size above 1): a fake
-    and a real process group can't share a process. Returns the process and the file its rank 0 writes."""
-    out = folder / f"{case.name}-{role}.json"
-    worker = [str(Path(__file__).resolve()), "--worker", role, "--out", str(out), "--world-size",
-              str(case.world_size), "--", *job_flags(case, str(folder / case.name))]
-    if role == "measure" and case.world_size > 1:
+def start_worker(role: str, cases: list[Case], folder: Path) -> tuple[subprocess.Popen, Path]:
+    """Start predict or measure for `cases` in turn, in one fresh process (a torchrun launch for a measured world
+    size above 1, so measured cases share one world size): a fake and a real process group can't share a process,
+    and one start-up per role and world size costs less than one per case. Returns the process and the file its
+    rank 0 writes."""
+    spec, out = folder / f"{role}-{cases[0].world_size}-cases.json", folder / f"{role}-{cases[0].world_size}.json"
+    spec.write_text(json.dumps([{"name": case.name, "world_size": case.world_size, "cuda": case.cuda,
+                                 "flags": job_flags(case, str(folder / case.name))} for case in cases]))
+    worker = [str(Path(__file__).resolve()), "--worker", role, "--cases-file", str(spec), "--out", str(out)]
+    if role == "measure" and cases[0].world_size > 1:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc_per_node={case.world_size}", *worker]
+                   f"--nproc_per_node={cases[0].world_size}", *worker]
     else:
         command = [sys.executable, *worker]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -160,11 +168,29 @@ def start_worker(role: str, case: Case, folder: Path) -> tuple[subprocess.Popen,
     return process, out
 
 
-def finish_worker(case: Case, role: str, process: subprocess.Popen, out: Path) -> dict:
+def finish_worker(role: str, process: subprocess.Popen, out: Path) -> dict[str, dict]:
+    """The reports of a started worker, by case name."""
     output, _ = process.communicate()
     if process.returncode != 0:
-        raise RuntimeError(f"{case.name}: {role} failed with exit code {process.returncode}:\n{output[-6000:]}")
+        raise RuntimeError(f"{role} failed with exit code {process.returncode}:\n{output[-6000:]}")
     return json.loads(out.read_text())
+
+
+def run_worker(role: str, cases_file: Path, out: Path) -> None:
+    """The worker side: each case of `cases_file` in turn, rank 0 writing every report to `out`. Measured cases share
+    the process group that the first one joins (as tests/harness/torchrun.py's cases do): joining a second one on
+    the same rendezvous can meet the first one's keys in its store and hang."""
+    from titan.parallel.dims import destroy_distributed
+
+    reports = {}
+    for spec in json.loads(cases_file.read_text()):
+        if role == "predict":
+            reports[spec["name"]] = predict(spec["world_size"], spec["flags"], spec["cuda"])
+        else:
+            reports[spec["name"]] = measure(spec["world_size"], spec["flags"])
+    if int(os.environ.get("RANK", "0")) == 0:
+        out.write_text(json.dumps(reports))
+    destroy_distributed(wait_for_peers=True)
 
 
 def compare(case: Case, predicted: dict, measured: dict, tolerance: float, step_tolerance: float
@@ -203,16 +229,12 @@ def main() -> int:
     parser.add_argument("--step-tolerance", type=float, default=0.30,
                         help="largest relative step-time error for --check, on CUDA (where step times are measured)")
     parser.add_argument("--worker", choices=["predict", "measure"], help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--world-size", type=int, help=argparse.SUPPRESS)
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    args = parser.parse_args(argv[:split])
+    parser.add_argument("--cases-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
     if args.worker is not None:
         init_logger()
-        report = (predict if args.worker == "predict" else measure)(args.world_size, argv[split + 1:])
-        if int(os.environ.get("RANK", "0")) == 0:
-            Path(args.out).write_text(json.dumps(report))
+        run_worker(args.worker, args.cases_file, args.out)
         return 0
     cases = cuda_cases() if args.cuda else cpu_cases()
     known = {case.name: case for case in cpu_cases() + cuda_cases()}
@@ -224,16 +246,20 @@ def main() -> int:
     if args.cuda:
         header += f" {'pred ms':>10} {'meas ms':>10} {'ratio':>7}"
     rows, problems = [header + "  collectives per step (rank 0)"], []
+    groups = [[case for case in cases if case.world_size == size] for size in sorted({c.world_size for c in cases})]
     with tempfile.TemporaryDirectory() as tmp:
-        # Predictions run on the CPU side by side, before any measurement, so they never overlap a timed step.
-        predictions = [start_worker("predict", case, Path(tmp)) for case in cases]
-        predicted = [finish_worker(case, "predict", *started) for case, started in zip(cases, predictions)]
-        for case, prediction in zip(cases, predicted):
-            measured = finish_worker(case, "measure", *start_worker("measure", case, Path(tmp)))
-            row, found = compare(case, prediction, measured, args.tolerance, args.step_tolerance)
-            print(row, flush=True)
-            rows.append(row)
-            problems += found
+        prediction = start_worker("predict", cases, Path(tmp))
+        # On a GPU the predictions finish first, so that they never overlap a timed step; on the CPU, which times no
+        # step, they run beside the measurements.
+        predicted = finish_worker("predict", *prediction) if any(case.cuda for case in cases) else None
+        measured = {}
+        for group in groups:
+            measured.update(finish_worker("measure", *start_worker("measure", group, Path(tmp))))
+        predicted = predicted or finish_worker("predict", *prediction)
+    for case in (case for group in groups for case in group):
+        row, found = compare(case, predicted[case.name], measured[case.name], args.tolerance, args.step_tolerance)
+        rows.append(row)
+        problems += found
     print("\n".join(rows))
     within = f"{100 * args.tolerance:.0f}%" + (f", step time {100 * args.step_tolerance:.0f}%" if args.cuda else "")
     print("\n".join(problems) if problems else f"All {len(cases)} cases within {within}.")

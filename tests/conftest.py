@@ -3,14 +3,17 @@
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
 
 import pytest
 
-from torchrun import GlooAbortRerun
-from train_script import titan_log
+from harness.debug_training import train_losses
+from harness.torchrun import GlooAbortRerun
+from harness.train_script import run_train, titan_log
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Token stores made on first use go to a folder of this session (which every launched rank inherits), not to
@@ -26,9 +29,22 @@ RERUN_TESTS: list[str] = []
 
 @pytest.fixture
 def titan_records() -> Iterator[list[logging.LogRecord]]:
-    """Every record the `titan` logger emits during the test, exactly once (train_script.titan_log)."""
+    """Every record the `titan` logger emits during the test, exactly once (harness.train_script.titan_log)."""
     with titan_log() as records:
         yield records
+
+
+@pytest.fixture(scope="session")
+def fp32_debug_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    """The losses of the debug model's 15 fp32 steps (harness.debug_training.train), the run that the float8 and MX
+    training tests compare with (test_float8.py, test_mx.py)."""
+    return train_losses(tmp_path_factory.mktemp("fp32"), "--training.steps", "15")
+
+
+@pytest.fixture(scope="session")
+def run_train_help() -> subprocess.CompletedProcess:
+    """`./run_train.sh --help`, run once for the tests of its text (test_launch.py, test_bad_inputs.py)."""
+    return run_train("--help")
 
 
 def pytest_warning_recorded(warning_message: warnings.WarningMessage, when: str, nodeid: str,
@@ -49,4 +65,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("gloo abort reruns", red=True)
         for nodeid in RERUN_TESTS:
             terminalreporter.write_line(f"{nodeid}: run_torchrun reran a launch that gloo aborted; the session fails "
-                                        f"so that an intermittent crash cannot pass unseen (see tests/torchrun.py).")
+                                        f"so that an intermittent crash cannot pass unseen "
+                                        f"(see tests/harness/torchrun.py).")

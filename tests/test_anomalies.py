@@ -1,8 +1,8 @@
 """Non-finite and spiking steps (--training.on_nonfinite, --training.on_spike): skipped, rolled back or logged,
 recorded in anomalies.jsonl, counted against --training.max_skipped_steps, and resumed exactly.
 
-Non-finite losses are forced by multiplying the loss by NaN at chosen steps (tests/anomaly_probe.py, or a
-monkeypatched loss here). Spikes come from data: documents of exactly one window of the same sentence, which the
+Non-finite losses are forced by multiplying the loss by NaN at chosen steps (tests/harness/nan_injection.py, here and in
+tests/harness/anomaly_probe.py). Spikes come from data: documents of exactly one window of the same sentence, which the
 debug model learns within a few steps, and one document of random characters placed in a chosen step's batch."""
 
 import json
@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from debug_training import DEBUG_TOML
 from titan.checkpoint.dcp import TrainState
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
@@ -28,7 +27,10 @@ from titan.data.tokenizer import build_tokenizer
 from titan.train.anomalies import SpikeDetector
 from titan.train.nan_guard import NonFiniteLossError
 from titan.train.trainer import Trainer
-from train_script import ROOT, losses_by_step
+
+from harness.debug_training import DEBUG_TOML
+from harness.nan_injection import nan_at
+from harness.train_script import ROOT, losses_by_step
 
 SEQ_LEN = 32
 SENTENCE = "the cat sat on the mat and the dog sat on the log".split()
@@ -78,17 +80,6 @@ def warnings_of(records: list[logging.LogRecord]) -> list[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
-def nan_at(trainer: Trainer, steps: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loss is NaN at `steps`, as in a diverging run."""
-    real_loss = trainer.training.model.output_loss.logits_loss
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = real_loss(logits, labels)
-        return loss * float("nan") if trainer.step in steps else loss
-
-    monkeypatch.setattr(trainer.training.model.output_loss, "logits_loss", loss_fn)
-
-
 def test_spike_detector_uses_median_and_floored_mad() -> None:
     detector = SpikeDetector(window=5, threshold=3.0, losses=[2.0, 2.2, 1.8, 2.1])
     assert detector.check(100.0) is None  # the window is not full yet
@@ -118,7 +109,7 @@ def test_nonfinite_steps_are_skipped_until_max_skipped_steps(tmp_path: Path, mon
     trainer = build_trainer(tmp_path, write_data(tmp_path / "data.txt", noise_index=None), "--training.steps", "10",
                             "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "2",
                             "--optimizer.implementation", implementation)
-    nan_at(trainer, {3, 5, 7}, monkeypatch)
+    nan_at(trainer, {3, 5, 7}, monkeypatch.setattr)
     with pytest.raises(NonFiniteLossError) as stop:
         trainer.run()
     assert stop.value.exit_code == 3
@@ -200,9 +191,9 @@ def test_spike_rolls_back_to_the_last_checkpoint_and_skips_its_data(tmp_path: Pa
 
 
 def launch(folder: Path, data: Path, nprocs: int, nan_steps: str, *extra: str) -> subprocess.CompletedProcess:
-    """tests/anomaly_probe.py under titan.launch, as run_train.sh runs train.py."""
+    """tests/harness/anomaly_probe.py under titan.launch, as run_train.sh runs train.py."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
-               str(ROOT / "tests" / "anomaly_probe.py"), *flags(folder, data, *extra)]
+               str(ROOT / "tests" / "harness" / "anomaly_probe.py"), *flags(folder, data, *extra)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "NAN_STEPS": nan_steps, "LOG_RANK": "0"})
 

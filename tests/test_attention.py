@@ -1,13 +1,20 @@
 """Block-causal attention over packed documents: the packed batch computes what each document computes on its own."""
 
+import itertools
+
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.models.llama import ModelArgs, Transformer, init_weights
-from titan.models.llama.attention import build_block_mask, build_dense_mask, document_layout
+from titan.models.llama.attention import build_block_mask, document_layout
 from titan.models.llama.loss import IGNORE_INDEX, mask_cross_document_targets
+from titan.parallel.ac import selective_policy
 
 VOCAB, EOS = 2256, 2255
 SEQ = 24
@@ -32,9 +39,9 @@ def build(backend: str) -> Transformer:
     return model
 
 
-def packed_row(starts: list[int]) -> torch.Tensor:
+def packed_row(starts: list[int], seq: int = SEQ) -> torch.Tensor:
     torch.manual_seed(len(starts))
-    tokens = torch.randint(0, EOS, (1, SEQ))
+    tokens = torch.randint(0, EOS, (1, seq))
     tokens[0, [start - 1 for start in starts if start > 0]] = EOS
     return tokens
 
@@ -84,20 +91,87 @@ def test_block_causal_equals_each_document_alone(layout: str) -> None:
                                    msg=name)
 
 
-@pytest.mark.parametrize("layout", ["two documents", "many documents", "documents cut by both ends"])
-def test_flex_block_mask_equals_dense_mask(layout: str) -> None:
-    """FlexAttention's BlockMask keeps the same keys as SDPA's dense mask (forward only: torch has no FlexAttention
-    backward on CPU), and a flex model computes the same logits."""
-    tokens = torch.cat([packed_row(LAYOUTS[layout]), packed_row(LAYOUTS["many documents"])])
+# Rows of 4 FlexAttention blocks (128 tokens each), given by where their documents start: documents that cross
+# block boundaries, and so blocks (128 queries x 128 keys) that are empty, partial and full, which the BlockMask must
+# tell apart for the kernel's block-sparse skipping.
+BLOCK = 128
+LONG_SEQ = 4 * BLOCK
+LONG_LAYOUTS = {
+    "documents crossing blocks": [0, 100, 130, 300, 301, 450],
+    "one document": [0],  # causal: every block below the diagonal is full
+    "documents cut by both ends": [200, 383],
+}
+
+
+def mask_of_documents(starts: list[int], seq: int) -> Tensor:
+    """The block-causal mask (seq, seq) of a row whose documents start at `starts` (and at 0), from the documents
+    themselves: query i reads key j when j <= i and no document starts in (j, i]."""
+    bounds = sorted({0, *starts, seq})
+    mask = torch.zeros(seq, seq, dtype=torch.bool)
+    for start, end in zip(bounds, bounds[1:]):
+        mask[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    return mask
+
+
+def full_blocks(block_mask: BlockMask) -> Tensor:
+    """(bs, 1, q_blocks, kv_blocks): the blocks the BlockMask marks full, whose keys every query reads unmasked."""
+    dense = torch.zeros(block_mask.to_dense().shape, dtype=torch.bool)
+    counts, indices = block_mask.full_kv_num_blocks, block_mask.full_kv_indices
+    for b, h, q_block in itertools.product(*map(range, counts.shape)):
+        dense[b, h, q_block, indices[b, h, q_block, :counts[b, h, q_block]]] = True
+    return dense
+
+
+def test_flex_block_mask_equals_the_documents_mask() -> None:
+    """FlexAttention's BlockMask over several 128-token blocks is the mask of the row's documents: token by token,
+    block by block (skipped, partial and full blocks), and in the output of the block-sparse kernel (compiled:
+    eager FlexAttention ignores the block structure) against SDPA under the documents' dense mask (forward only:
+    torch has no FlexAttention backward on CPU)."""
+    rows = list(LONG_LAYOUTS.values())
+    tokens = torch.cat([packed_row(starts, LONG_SEQ) for starts in rows])
     _, document_ids = document_layout(tokens, EOS)
-    block_mask = build_block_mask(document_ids, SEQ, tokens.device)
-    dense = torch.stack([block_mask.mask_mod(torch.tensor(b), None, torch.arange(SEQ)[:, None],
-                                             torch.arange(SEQ)[None, :]) for b in range(2)])
-    assert torch.equal(dense[:, None], build_dense_mask(document_ids))
+    block_mask = build_block_mask(document_ids, LONG_SEQ, tokens.device)
+    want = torch.stack([mask_of_documents(starts, LONG_SEQ) for starts in rows])[:, None]  # (bs, 1, seq, seq)
+    assert torch.equal(create_mask(block_mask.mask_mod, len(rows), 1, LONG_SEQ, LONG_SEQ, device="cpu"), want)
+    tiles = want.unflatten(2, (-1, BLOCK)).unflatten(4, (-1, BLOCK))  # (bs, 1, q_blocks, 128, kv_blocks, 128)
+    read, full = tiles.any(dim=5).any(dim=3), tiles.all(dim=5).all(dim=3)  # (bs, 1, q_blocks, kv_blocks) each
+    below_diagonal = torch.ones(read.shape[-2:], dtype=torch.bool).tril(-1)
+    assert all((kind & below_diagonal).any() for kind in (~read, read & ~full, full))  # skipped, partial, full
+    assert torch.equal(block_mask.to_dense().bool(), read)
+    assert torch.equal(full_blocks(block_mask), full)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, len(rows), 2, LONG_SEQ, 16).unbind(0)  # (bs, heads, seq, head_dim) each
+    got = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["two documents", "many documents", "documents cut by both ends"])
+def test_flex_model_computes_the_sdpa_logits(layout: str) -> None:
+    """A flex model (its BlockMask) computes the logits an SDPA model (its dense mask) does."""
+    tokens = torch.cat([packed_row(LAYOUTS[layout]), packed_row(LAYOUTS["many documents"])])
     flex, sdpa = build("flex"), build("sdpa")
     with torch.no_grad():
         torch.testing.assert_close(flex(tokens, *document_layout(tokens, EOS)),
                                    sdpa(tokens, *document_layout(tokens, EOS)), rtol=1e-5, atol=1e-5)
+
+
+def test_selective_ac_saves_flex_attention() -> None:
+    """Selective "op" AC keeps FlexAttention's output, as it keeps SDPA's: the op reaches the policy as torch's
+    flex_attention higher-order op (eagerly here; compiled blocks trace the same op into the graph, where the
+    policy tags it), and recomputing it would cost a second attention forward."""
+    tokens = packed_row(LAYOUTS["many documents"])
+    _, document_ids = document_layout(tokens, EOS)
+    block_mask = build_block_mask(document_ids, SEQ, tokens.device)
+    policy, decisions = selective_policy(save_matmuls=True), []
+
+    def recording_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        decisions.append((op, policy(ctx, op, *args, **kwargs)))
+        return decisions[-1][1]
+
+    q, k, v = torch.randn(3, 1, 2, SEQ, 16).unbind(0)  # no grad: torch has no FlexAttention backward on CPU
+    checkpoint(lambda q, k, v: flex_attention(q, k, v, block_mask=block_mask), q, k, v, use_reentrant=False,
+               context_fn=lambda: create_selective_checkpoint_contexts(recording_policy))
+    assert (torch.ops.higher_order.flex_attention, CheckpointPolicy.MUST_SAVE) in decisions, decisions
 
 
 def test_compiled_flex_blocks_match_sdpa() -> None:

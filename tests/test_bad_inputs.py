@@ -23,7 +23,11 @@ import torch
 from titan.config.domain import field_ranges
 from titan.config.job import JobConfig
 from titan.config.load import parse_args
-from train_script import TRAIN, run_train
+from titan.models.llama import LLAMA3_FLAVORS, Transformer
+from titan.parallel.ac import apply_ac
+from titan.train.optim import parameter_groups
+
+from harness.train_script import TRAIN, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,7 +71,8 @@ LONG_TEXT = "Titan reads this sentence many times over. " * 40
 CASES: dict[str, Case] = {
     # [job] and the TOML file itself
     "dump_folder_is_file": Case(["--job.dump_folder", "{tmp}/taken"], "--job.dump_folder", files={"taken": b"x"}),
-    "dump_folder_below_file": Case(["--job.dump_folder", "{tmp}/taken/run"], "--job.dump_folder", files={"taken": b"x"}),
+    "dump_folder_below_file": Case(["--job.dump_folder", "{tmp}/taken/run"], "--job.dump_folder",
+                                   files={"taken": b"x"}),
     "config_file_missing": Case(["--job.config_file", "{tmp}/missing.toml"], "--job.config_file"),
     "config_file_is_folder": Case(["--job.config_file", "{tmp}"], "is a folder"),
     "toml_latin1": toml(b"[training]\nsteps = 2 # caf\xe9\n", "not UTF-8"),
@@ -110,6 +115,10 @@ CASES: dict[str, Case] = {
     "weight_decay_inf": flag("optimizer.weight_decay", "inf"),
     "optimizer_unknown": flag("optimizer.name", "SGD"),
     "optimizer_implementation_unknown": flag("optimizer.implementation", "cuda"),
+    "lr_multiplier_matches_nothing": Case(["--optimizer.lr_multipliers", "tok_embeddings=0.5", "embedding.tok=2"],
+                                          "--optimizer.lr_multipliers 'embedding.tok=2' matches no parameter"),
+    "lr_multiplier_renamed_layer": Case(["--optimizer.lr_multipliers", "lm_head=0.5"],
+                                        "--optimizer.lr_multipliers 'lm_head=0.5' matches no parameter"),
     # [lr_scheduler]
     "warmup_negative": flag("lr_scheduler.warmup_steps", "-1"),
     "warmup_fractional": flag("lr_scheduler.warmup_steps", "1.5"),
@@ -141,7 +150,8 @@ CASES: dict[str, Case] = {
     "dataset_text_without_path": Case(["--training.dataset", "text"], "--training.dataset_path"),
     "dataset_path_missing": Case(["--training.dataset", "text", "--training.dataset_path", "{tmp}/none.txt"],
                                  "--training.dataset_path"),
-    "dataset_folder_without_files": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/data"], "--training.dataset_path", files={"data/readme.md": b"x"}),
+    "dataset_folder_without_files": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/data"],
+                                         "--training.dataset_path", files={"data/readme.md": b"x"}),
     "dataset_glob_matches_nothing": Case(["--training.dataset", "text", "--training.dataset_path", "{tmp}/*.none"],
                                          "--training.dataset_path"),
     "dataset_empty_file": Case(["--training.dataset", "text", "--training.dataset_path", "{tmp}/empty.txt"],
@@ -154,7 +164,8 @@ CASES: dict[str, Case] = {
                                    "d.jsonl line 1", files={"d.jsonl": b"{not json\n" + jsonl(LONG_TEXT)}),
     "dataset_jsonl_no_text": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/d.jsonl"],
                                   'd.jsonl line 1 has no string "text"', files={"d.jsonl": b'{"body": "x"}\n'}),
-    "dataset_jsonl_truncated_gzip": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/d.jsonl.gz"], "d.jsonl.gz", files={"d.jsonl.gz": gzip.compress(jsonl(LONG_TEXT))[:30]}),
+    "dataset_jsonl_truncated_gzip": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/d.jsonl.gz"],
+                                         "d.jsonl.gz", files={"d.jsonl.gz": gzip.compress(jsonl(LONG_TEXT))[:30]}),
     "switch_with_bad_value": Case(["--training.compile", "yes"], "--training.compile"),
     "switch_with_bad_equals_value": Case(["--checkpoint.enable=sometimes"], "--checkpoint.enable"),
     "unknown_flag": Case(["--training.stepz", "5"], "--training.steps"),
@@ -243,11 +254,13 @@ CASES: dict[str, Case] = {
                                        marks=(WITHOUT_GPU,)),
     "async_mode_unknown": flag("checkpoint.async_mode", "threads"),
     "export_dtype_unknown": flag("checkpoint.export_dtype", "int8"),
-    "seed_checkpoint_without_enable": Case(["--checkpoint.create_seed_checkpoint"], "--checkpoint.create_seed_checkpoint"),
+    "seed_checkpoint_without_enable": Case(["--checkpoint.create_seed_checkpoint"],
+                                           "--checkpoint.create_seed_checkpoint"),
     "seed_checkpoint_on_two_ranks": Case(["--checkpoint.create_seed_checkpoint", "--checkpoint.enable"],
                                          "--checkpoint.create_seed_checkpoint", world_size=2),
     "hf_without_path": Case(["--checkpoint.initial_load_in_hf"], "--checkpoint.initial_load_path"),
-    "initial_load_path_missing": Case(["--checkpoint.initial_load_path", "{tmp}/none"], "--checkpoint.initial_load_path"),
+    "initial_load_path_missing": Case(["--checkpoint.initial_load_path", "{tmp}/none"],
+                                      "--checkpoint.initial_load_path"),
     "initial_load_path_not_checkpoint": Case(["--checkpoint.enable", "--checkpoint.initial_load_path", "{tmp}/plain"],
                                              "--checkpoint.initial_load_path", files={"plain/a.txt": b"x"}),
     "initial_load_path_hf_folder_empty": Case(["--checkpoint.enable", "--checkpoint.initial_load_in_hf",
@@ -260,6 +273,34 @@ CASES: dict[str, Case] = {
 
 def test_sweep_has_at_least_100_cases() -> None:
     assert len(CASES) + len(LAUNCHER_CASES) >= 100
+
+
+# Fields that name modules or parameters (by FQN substring, or a checkpoint's parts), and the case whose entry
+# matches none of them: each must be refused, naming the entry, rather than silently change nothing.
+PATTERN_FIELDS = {"float8.filter_fqns": "float8_filter_typo", "mx.filter_fqns": "mx_filter_typo",
+                  "optimizer.lr_multipliers": "lr_multiplier_matches_nothing",
+                  "checkpoint.exclude_from_loading": "exclude_unknown_part"}
+
+
+def test_every_name_pattern_field_refuses_an_entry_that_matches_nothing() -> None:
+    fqn_fields = {f"{section.name}.{name}" for section in dataclasses.fields(JobConfig)
+                  for name in typing.get_type_hints(section.type) if name.endswith("_fqns")}
+    assert fqn_fields <= PATTERN_FIELDS.keys(), f"add a case for {fqn_fields - PATTERN_FIELDS.keys()}"
+    for field_name, case in PATTERN_FIELDS.items():
+        assert CASES[case].expected.startswith(f"--{field_name}"), (field_name, CASES[case].expected)
+
+
+def test_lr_multipliers_match_the_names_validation_checks() -> None:
+    """Validation checks --optimizer.lr_multipliers against the model's own FQNs; the optimizer must match the same
+    names when activation checkpointing wraps the blocks (its wrapper adds `_checkpoint_wrapped_module.`)."""
+    cfg = parse_args(["--optimizer.lr_multipliers", "layers.0.attention=0.5"])
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS["debugmodel"])
+    apply_ac(model, "full", "op", save_attention=False)
+    scaled = {id(p) for group in parameter_groups(model, cfg.optimizer) if group["lr_multiplier"] == 0.5
+              for p in group["params"]}
+    attention = dict(model.layers["0"].named_parameters())  # the wrapper names them without its prefix
+    assert scaled == {id(p) for name, p in attention.items() if name.startswith("attention")}  # and attention_norm
 
 
 def run_in_process(argv: list[str], world_size: int, monkeypatch: pytest.MonkeyPatch,
@@ -320,7 +361,8 @@ def test_bad_input_through_run_train_sh_exits_2_naming_the_field(name: str, tmp_
 def test_every_problem_is_listed_at_once(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
                                          titan_records: list[logging.LogRecord], tmp_path: Path) -> None:
     argv = ["--training.steps", "0", "--optimizer.lr", "-1", "--lr_scheduler.min_lr_factor", "5",
-            "--training.local_batch_size", "0", "--training.global_batch_size", "12", "--job.dump_folder", str(tmp_path)]
+            "--training.local_batch_size", "0", "--training.global_batch_size", "12",
+            "--job.dump_folder", str(tmp_path)]
     code, output = run_in_process(argv, 1, monkeypatch, capsys, titan_records)
     assert code == 2
     assert "(4 problems)" in output, output
@@ -350,7 +392,8 @@ def test_damaged_checkpoint_names_the_folder_and_keeps_the_runs_config(
         (step / ".metadata").unlink()
     record = (run / "config.toml").read_text()
     titan_records.clear()
-    argv = [*TINY, "--training.steps", "2", "--training.seed", "7", "--checkpoint.enable", "--job.dump_folder", str(run)]
+    argv = [*TINY, "--training.steps", "2", "--training.seed", "7", "--checkpoint.enable",
+            "--job.dump_folder", str(run)]
     code, output = run_in_process(argv, 1, monkeypatch, capsys, titan_records)
     assert code == 2 and str(step) in output and "--checkpoint.load_step" in output, output
     assert "Traceback" not in output and "tuple" not in output and "FrameSummary" not in output, output
@@ -358,8 +401,8 @@ def test_damaged_checkpoint_names_the_folder_and_keeps_the_runs_config(
     assert (run / "config.toml").read_text() == record
 
 
-def test_help_reads_each_fields_declared_domain() -> None:
-    result = run_train("--help")
+def test_help_reads_each_fields_declared_domain(run_train_help: subprocess.CompletedProcess) -> None:
+    result = run_train_help
     assert result.returncode == 0
     assert "must be a number in [0, 1)" in result.stdout  # --optimizer.beta1 / beta2
     assert "must be an integer >= 1, or -1" in result.stdout  # --training.global_batch_size

@@ -10,24 +10,30 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from debug_training import DEBUG_TOML
-from titan.checkpoint.dcp import read_model_weights
+from titan.checkpoint.dcp import Checkpointer, read_model_weights
 from titan.config.check import load_job_config
+from titan.config.job import Checkpoint
 from titan.train.trainer import Trainer
-from train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
 
-STEPS = 20
+from harness.debug_training import DEBUG_TOML
+from harness.train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
+
+STEPS = 10
+MIDDLE = STEPS // 2
+"""The step of the checkpoint that the resume and resharding tests start from."""
 LOCAL_BATCH_SIZE = 4
 # fp32, short sequences, a log record every step: bit-exact comparisons on CPU in seconds
 BASE = ["--training.seq_len", "64", "--training.local_batch_size", str(LOCAL_BATCH_SIZE), "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]
-CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "10"]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(MIDDLE)]
 QWEN3_MOE = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
 
 
@@ -39,60 +45,85 @@ def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedPro
     return result
 
 
-def resume_from_step_10(straight: Path, resumed: Path) -> None:
-    """A copy of the straight run's folder as it was after step 10: its step-10 checkpoint was written mid-run,
+# The straight STEPS-step runs that the resume tests start from, by name: (processes, model flags, layout flags). Each
+# is trained once (straight_runs); a test copies what it needs from its folder and changes only the copy.
+STRAIGHT_RUNS = {
+    "one-process": (1, [], []),
+    "one-process-async": (1, [], ["--checkpoint.async_mode", "async"]),
+    "bf16-optimizer-state": (1, [], ["--optimizer.state_dtype", "bfloat16"]),
+    "fsdp2": (2, [], ["--parallelism.data_parallel_shard_degree", "2"]),
+    # Experts split over 2 EP ranks (with their optimizer state, and the routing biases). EP ranks are data-parallel
+    # ranks: 2 sequences each make the global batch of 4 of one process.
+    "qwen3-moe-ep2": (2, QWEN3_MOE, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
+    "pp2": (2, [], ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points",
+                    "layers.2"]),
+    "cp2": (2, [], ["--parallelism.context_parallel_degree", "2"]),
+}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The folder of a STRAIGHT_RUNS run, trained on first use: STEPS steps with checkpoints at MIDDLE and STEPS."""
+    folders: dict[str, Path] = {}
+
+    def straight(name: str) -> Path:
+        if name not in folders:
+            nprocs, model, layout = STRAIGHT_RUNS[name]
+            folder = tmp_path_factory.mktemp(f"straight-{name}")
+            train(folder, "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout, nprocs=nprocs)
+            folders[name] = folder
+        return folders[name]
+
+    return straight
+
+
+def resume_from_middle(straight: Path, resumed: Path) -> None:
+    """A copy of the straight run's folder as it was after step MIDDLE: its checkpoint was written mid-run,
     as a killed run would have left it; later checkpoints and later metrics are dropped."""
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoint" / f"step-{STEPS}")
-    lines = (resumed / "metrics.jsonl").read_text().splitlines()[:10]
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()[:MIDDLE]
     (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.parametrize("nprocs, flags", [
-    (1, []),
-    (1, ["--checkpoint.async_mode", "async"]),
-    (1, ["--optimizer.state_dtype", "bfloat16"]),
-    (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    (2, [*QWEN3_MOE, "--parallelism.expert_parallel_degree", "2"]),
-], ids=["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2", "qwen3-moe-ep2"])
-def test_resume_is_bit_exact(tmp_path: Path, nprocs: int, flags: list[str]) -> None:
-    """20 steps straight vs 10 + resume + 10: identical per-step losses, so weights, optimizer, schedule, data
-    order and RNG all came back (async: the background write saved step 10's state, not a later one; bfloat16
-    optimizer state: its moments, and the RNG its stochastic rounding draws from)."""
-    straight = tmp_path / "straight"
-    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=nprocs)
+@pytest.mark.parametrize("name", ["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2",
+                                  "qwen3-moe-ep2"])
+def test_resume_is_bit_exact(tmp_path: Path, name: str, straight_runs: Callable[[str], Path]) -> None:
+    """STEPS steps straight vs MIDDLE + resume + the rest: identical per-step losses, so weights, optimizer, schedule,
+    data order and RNG all came back (async: the background write saved step MIDDLE's state, not a later one; bfloat16
+    optimizer state: its moments, and its step counts, from which the stochastic rounding's bits are hashed (no
+    generator is involved), so the resumed steps round as the straight run's did)."""
+    nprocs, model, layout = STRAIGHT_RUNS[name]
+    straight = straight_runs(name)
     resumed = tmp_path / "resumed"
-    resume_from_step_10(straight, resumed)
-    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *flags, nprocs=nprocs)
-    assert "checkpoint/step-10: step 10" in result.stdout
+    resume_from_middle(straight, resumed)
+    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout, nprocs=nprocs)
+    assert f"checkpoint/step-{MIDDLE}: step {MIDDLE}" in result.stdout
     want, got = losses_by_step(straight), losses_by_step(resumed)
     assert sorted(got) == list(range(1, STEPS + 1))
-    assert [got[s] for s in range(11, STEPS + 1)] == [want[s] for s in range(11, STEPS + 1)]
+    assert [got[s] for s in range(MIDDLE + 1, STEPS + 1)] == [want[s] for s in range(MIDDLE + 1, STEPS + 1)]
 
 
-@pytest.mark.parametrize("model, flags", [
-    ([], ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points", "layers.2"]),
-    ([], ["--parallelism.context_parallel_degree", "2"]),
-    # Experts split over 2 EP ranks (and their optimizer state, and the routing biases) load whole on one process.
-    # EP ranks are data-parallel ranks: 2 sequences each make the one process's global batch of 4.
-    (QWEN3_MOE, ["--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"]),
-], ids=["pp2", "cp2", "qwen3-moe-ep2"])
-def test_resume_on_one_process_from_another_layout(tmp_path: Path, model: list[str], flags: list[str]) -> None:
-    """Saved by 2 processes in another layout at step 10, resumed by one: the same per-step losses as the 2-process
-    run that went on (to reduction-order rounding), so every part of the checkpoint is layout-free."""
-    straight = tmp_path / "straight"
-    train(straight, "--training.steps", str(STEPS), *CHECKPOINT, *model, *flags, nprocs=2)
+@pytest.mark.parametrize("name", ["pp2", "cp2", "qwen3-moe-ep2"])
+def test_resume_on_one_process_from_another_layout(tmp_path: Path, name: str,
+                                                   straight_runs: Callable[[str], Path]) -> None:
+    """Saved by 2 processes in another layout at step MIDDLE, resumed by one: the same per-step losses as the 2-process
+    run that went on (to reduction-order rounding), so every part of the checkpoint is layout-free (the experts
+    split over 2 EP ranks load whole)."""
+    _, model, _ = STRAIGHT_RUNS[name]
+    straight = straight_runs(name)
     resumed = tmp_path / "resumed"
-    resume_from_step_10(straight, resumed)
+    resume_from_middle(straight, resumed)
     result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *model)
-    restored = re.search(r"checkpoint/step-10: step 10, (.*) restored", result.stdout)
+    restored = re.search(rf"checkpoint/step-{MIDDLE}: step {MIDDLE}, (.*) restored", result.stdout)
     assert restored and {"model", "optimizer", "lr_scheduler", "dataloader"} <= set(restored.group(1).split(", "))
     want, got = losses_by_step(straight), losses_by_step(resumed)
-    assert [got[s] for s in range(11, STEPS + 1)] == pytest.approx([want[s] for s in range(11, STEPS + 1)], rel=1e-5)
+    later = range(MIDDLE + 1, STEPS + 1)
+    assert [got[s] for s in later] == pytest.approx([want[s] for s in later], rel=1e-5)
     # Every pipeline stage wrote its tensors under the full model's names, as one process does, so the exports and
     # HF conversion that read a step folder on one process work on it unchanged.
     split, whole = (read_model_weights(folder / "checkpoint" / f"step-{step}") for folder, step in
-                    ((straight, 10), (resumed, STEPS)))
+                    ((straight, MIDDLE), (resumed, STEPS)))
     assert split.keys() == whole.keys()
     assert all(split[fqn].shape == whole[fqn].shape for fqn in whole)
 
@@ -145,13 +176,85 @@ def test_keep_latest_k(tmp_path: Path) -> None:
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-6", "step-8"]
 
 
-@pytest.fixture(scope="module")
-def fsdp2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-process FSDP run's checkpoint at step 4 (and its continuation to step 6 for reference)."""
-    folder = tmp_path_factory.mktemp("fsdp2")
-    train(folder, "--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "4",
-          "--parallelism.data_parallel_shard_degree", "2", nprocs=2)
-    return folder
+STEP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "sharded/shard-0.safetensors"]
+"""A stand-in for the files of a step folder, with a subfolder as a Hugging Face export's has."""
+
+
+def write_step(folder: Path, label: str) -> None:
+    """A step folder as a save writes it, every file holding `label`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for name in STEP_FILES:
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(label)
+
+
+def whole_step(folder: Path) -> str | None:
+    """The label of the save a step folder holds when every file is there from that one save, else None."""
+    files = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file())
+    labels = {(folder / name).read_text() for name in files}
+    return labels.pop() if files == sorted(STEP_FILES) and len(labels) == 1 else None
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: raised in place of a file operation and handled by nothing on the way out, so the files
+    stay as a kill at that moment leaves them."""
+
+
+def killed_at(moment: int, action: Callable[[], None], monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run `action`, killed in place of its file operation number `moment` (renames and removals, from 0); returns
+    whether it was killed (False: it made fewer operations and ran to its end)."""
+    made = 0
+
+    def counted(operation: Callable[..., None]) -> Callable[..., None]:
+        def run(*args: Any, **kwargs: Any) -> None:
+            nonlocal made
+            if made == moment:
+                raise Killed
+            made += 1
+            operation(*args, **kwargs)
+        return run
+
+    with monkeypatch.context() as patch:
+        for name in ("rename", "unlink", "rmdir"):
+            patch.setattr(os, name, counted(getattr(os, name)))
+        try:
+            action()
+        except Killed:
+            return True
+    return False
+
+
+def local_checkpointer(dump_folder: Path, keep_latest_k: int) -> Checkpointer:
+    """A rank-0 checkpointer of a local folder, with nothing to save: enough to publish, purge and choose a resume."""
+    return Checkpointer(Checkpoint(enable=True, keep_latest_k=keep_latest_k), dump_folder, model=None, optimizer=None,
+                        lr_scheduler=None, dataloader=None, device=torch.device("cpu"), dp_degree=1,
+                        model_fqns=set(), tokenizer=None)
+
+
+def test_a_local_step_killed_at_any_moment_of_its_deletion_is_never_taken_as_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishing step 4 over an older step 4 (a rerun after --checkpoint.load_step 2) deletes the old one, and
+    keep_latest_k 1 then deletes step 2. Killed at every rename and removal of both: every folder named step-<N> holds
+    one save's every file, resume picks such a folder, and the next save of step 4 leaves only itself."""
+    moment = 0
+    while True:
+        root = tmp_path / f"killed-at-{moment}"
+        checkpoints = root / "checkpoint"
+        for folder, label in [("step-2", "old"), ("step-4", "old"), ("step-4.partial", "new")]:
+            write_step(checkpoints / folder, label)
+        killed = killed_at(moment, lambda: local_checkpointer(root, keep_latest_k=1).finish(4), monkeypatch)
+        for folder in checkpoints.iterdir():
+            if re.fullmatch(r"step-\d+", folder.name):
+                assert whole_step(folder) is not None, f"killed at operation {moment}: {folder.name} is half deleted"
+        resumed = local_checkpointer(root, keep_latest_k=1).resume_folder()
+        assert resumed is not None and whole_step(Path(resumed)) is not None
+        write_step(checkpoints / "step-4.partial", "newer")
+        local_checkpointer(root, keep_latest_k=1).finish(4)
+        assert [folder.name for folder in checkpoints.iterdir()] == ["step-4"]
+        assert whole_step(checkpoints / "step-4") == "newer"
+        if not killed:
+            break  # every moment was tried
+        moment += 1
 
 
 def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_path: Path) -> float:
@@ -175,25 +278,27 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
     (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
     (2, 1, ["--parallelism.context_parallel_degree", "2"]),
 ], ids=["one-process", "tp2", "fsdp2xtp2", "pp2", "cp2"])
-def test_resharded_load(tmp_path: Path, fsdp2_checkpoint: Path, nprocs: int, dp_degree: int,
+def test_resharded_load(tmp_path: Path, straight_runs: Callable[[str], Path], nprocs: int, dp_degree: int,
                         flags: list[str]) -> None:
-    """Saved with FSDP=2, loaded by another layout: the model part is restored, the first step's loss is the saved
-    weights' loss on that step's batch (a run that kept its seed init would be ~1 nat off), and training goes on."""
+    """Saved with FSDP=2 (the straight fsdp2 run's step MIDDLE), loaded by another layout: the model part is restored,
+    the first step's loss is the saved weights' loss on that step's batch (a run that kept its seed init would be ~1
+    nat off), and training goes on."""
     folder = tmp_path / "run"
     (folder / "checkpoint").mkdir(parents=True)
-    shutil.copytree(fsdp2_checkpoint / "checkpoint" / "step-4", folder / "checkpoint" / "step-4")
-    result = train(folder, "--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "100",
+    step = f"step-{MIDDLE}"
+    shutil.copytree(straight_runs("fsdp2") / "checkpoint" / step, folder / "checkpoint" / step)
+    result = train(folder, "--training.steps", str(MIDDLE + 1), "--checkpoint.enable", "--checkpoint.interval", "100",
                    "--checkpoint.exclude_from_loading", "dataloader", *flags, nprocs=nprocs)
-    restored = re.search(r"checkpoint/step-4: step 4, (.*) restored", result.stdout)
+    restored = re.search(rf"checkpoint/step-{MIDDLE}: step {MIDDLE}, (.*) restored", result.stdout)
     assert restored and "model" in restored.group(1).split(", "), result.stdout
-    assert "Training finished after 5 steps" in result.stdout
-    saved = read_model_weights(folder / "checkpoint" / "step-4")
-    # the data restarts (dataloader not loaded): step 5 reads the first global batch
+    assert f"Training finished after {MIDDLE + 1} steps" in result.stdout
+    saved = read_model_weights(folder / "checkpoint" / step)
+    # the data restarts (dataloader not loaded): step MIDDLE + 1 reads the first global batch
     want = loss_on_first_batch(saved, dp_degree, tmp_path / "reference")
-    assert losses_by_step(folder)[5] == pytest.approx(want, rel=1e-5)
-    continued = read_model_weights(folder / "checkpoint" / "step-5")
+    assert losses_by_step(folder)[MIDDLE + 1] == pytest.approx(want, rel=1e-5)
+    continued = read_model_weights(folder / "checkpoint" / f"step-{MIDDLE + 1}")
     assert saved.keys() == continued.keys()
-    assert any(not torch.equal(saved[fqn], continued[fqn]) for fqn in saved), "step 5 trained the loaded weights"
+    assert any(not torch.equal(saved[fqn], continued[fqn]) for fqn in saved), "the last step trained the loaded weights"
 
 
 
@@ -258,7 +363,8 @@ def test_resume_across_parameter_groupings(tmp_path: Path, saved: list[str], loa
         multiplier = 0.5 if loaded == GROUPED and "tok_embeddings" in names[id(group["params"][0])] else 1.0
         assert group["lr"] == 2e-3 * multiplier * factor
         for param in group["params"]:
-            undecayed = loaded == GROUPED and ("norm" in names[id(param)] or names[id(param)] == "tok_embeddings.weight")
+            name = names[id(param)]
+            undecayed = loaded == GROUPED and ("norm" in name or name == "tok_embeddings.weight")
             assert group["weight_decay"] == (0.0 if undecayed else 0.1), names[id(param)]
     other.run()
     assert other.step == 6

@@ -9,6 +9,7 @@ import torch
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.config.hardware import CPU, Accelerator, local_accelerator, simulated_accelerator, target_accelerator
 from titan.config.job import JobConfig
 from titan.config.load import load_toml, parse_args, to_toml
 from titan.config.validate import validate
@@ -116,10 +117,11 @@ def test_help_lists_every_field_with_its_doc(capsys: pytest.CaptureFixture) -> N
     assert "Peak learning rate" in text
 
 
-def problems_for(*args: str, world_size: int = 1) -> list[str]:
+def problems_for(*args: str, world_size: int = 1, accelerator: Accelerator | None = None) -> list[str]:
+    """The problems validation finds in the debug job with `args`, on `accelerator` (default: the one it targets)."""
     cfg = parse_args(["--job.config_file", DEBUG_TOML, *args])
     try:
-        validate(cfg, world_size)
+        validate(cfg, world_size, accelerator)
     except ConfigError as e:
         return e.problems
     return []
@@ -148,8 +150,6 @@ def test_debug_config_is_valid() -> None:
     (["--lr_scheduler.decay_ratio", "1.5"], "--lr_scheduler.decay_ratio"),
     (["--training.steps", "0"], "--training.steps"),
     (["--metrics.log_freq", "0"], "--metrics.log_freq"),
-    (["--training.enable_cpu_offload"], "--training.enable_cpu_offload moves FSDP's shards to host memory, but this "
-                                        "layout has no FSDP"),
 ])
 def test_each_cross_field_rule(args: list[str], field: str) -> None:
     problems = problems_for(*args)
@@ -184,6 +184,71 @@ def test_following_each_suggestion_fixes_its_problem(args: tuple[str, ...], worl
         assert problem not in after and set(after) < set(problems), (problem, after)
 
 
+H100 = simulated_accelerator("H100")
+
+
+@pytest.mark.parametrize("args, world_size, problem", [
+    (["--training.local_batch_size", "1", "--training.seq_len", "250"], 1,
+     "--training.local_batch_size 1 x --training.seq_len 250 = 250 tokens"),
+    # 8 x 250 = 2000 tokens per step, but each pipeline micro-batch's backward sums over 1 x 250
+    (["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+      "--training.seq_len", "250"], 2,
+     "--parallelism.pipeline_parallel_microbatch_size 1 x --training.seq_len 250 = 250 tokens"),
+    # 1 x 48 = 48 tokens per step, but each context-parallel rank holds 24 of them
+    (["--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "1", "--training.seq_len", "48"], 2,
+     "--training.local_batch_size 1 x --training.seq_len 48 / --parallelism.context_parallel_degree 2 = 24 tokens"),
+])
+def test_float8_tokens_per_weight_gradient_matmul(args: list[str], world_size: int, problem: str) -> None:
+    """The float8 weight-gradient matmul sums over one backward's tokens: a pipeline micro-batch's under PP, and a
+    context-parallel rank's share of each sequence. CUDA's float8 matmul needs that count divisible by 16; following
+    the suggestion fixes it."""
+    args = ["--model.converters", "float8", *args]
+    found = problems_for(*args, world_size=world_size, accelerator=H100)
+    assert len(found) == 1 and found[0].startswith(problem), found
+    assert problems_for(*follow_suggestion(tuple(args), found[0]), world_size=world_size, accelerator=H100) == []
+    assert problems_for(*args, "--float8.emulate", world_size=world_size, accelerator=H100) == []
+    assert problems_for(*args, world_size=world_size, accelerator=CPU) == []  # CPU's _scaled_mm takes any count
+
+
+# Valid on H100s, and each flag needs a GPU: FlexAttention, native float8 (rowwise), async TP (with compile), a
+# pinned-memory async checkpoint, the CUDA memory snapshot.
+GPU_JOB = ("--model.attn_backend", "flex", "--model.converters", "float8", "--float8.recipe_name", "rowwise",
+           "--parallelism.tensor_parallel_degree", "2", "--parallelism.enable_async_tensor_parallel",
+           "--training.compile", "--checkpoint.enable", "--checkpoint.async_mode", "async_with_pinned_mem",
+           "--profiling.enable_memory_snapshot")
+
+
+def test_a_dry_run_validates_for_the_gpu_it_simulates() -> None:
+    """A dry run checks the job against --estimate.gpu, whatever machine it runs on: a job valid on H100s passes
+    on this machine, and MX (Blackwell only) is refused for H100s and accepted for B200s."""
+    load_job_config(["--job.config_file", DEBUG_TOML, *GPU_JOB, "--job.dry_run"], world_size=2)
+    mx = ["--job.config_file", DEBUG_TOML, "--model.converters", "mx", "--job.dry_run"]
+    with pytest.raises(ConfigError, match="compute capability 10.0 or newer.*the dry run's simulated NVIDIA H100 80GB "
+                                          "HBM3 is 9.0"):
+        load_job_config(mx, world_size=1)
+    load_job_config([*mx, "--estimate.gpu", "B200"], world_size=1)
+
+
+def test_a_gpu_job_is_refused_for_a_cpu_run() -> None:
+    found = problems_for(*GPU_JOB, world_size=2, accelerator=CPU)
+    flags = ["--profiling.enable_memory_snapshot", "--parallelism.enable_async_tensor_parallel",
+             "--checkpoint.async_mode async_with_pinned_mem", "--model.attn_backend flex"]
+    assert len(found) == len(flags) and all(any(problem.startswith(flag) for problem in found) for flag in flags), found
+    assert problems_for(*GPU_JOB, world_size=2, accelerator=H100) == []
+    if not torch.cuda.is_available():  # without --job.dry_run, the job targets this machine
+        assert problems_for(*GPU_JOB, world_size=2) == found
+
+
+def test_the_target_accelerator() -> None:
+    """A dry run targets the card --estimate.gpu names, under the name torch.cuda gives it; a run, this machine."""
+    assert target_accelerator(True, "H100") == Accelerator("NVIDIA H100 80GB HBM3", (9, 0), simulated=True)
+    assert target_accelerator(True, "H200").capability == (9, 0)
+    assert target_accelerator(True, "B200") == Accelerator("NVIDIA B200", (10, 0), simulated=True)
+    assert target_accelerator(False, "B200") == local_accelerator()
+    if not torch.cuda.is_available():
+        assert local_accelerator() == CPU and not CPU.is_cuda
+
+
 def test_all_problems_reported_together() -> None:
     problems = problems_for("--training.global_batch_size", "12", "--model.converters", "int3",
                             "--training.seq_len", "4096")
@@ -215,7 +280,8 @@ def test_zero_bubble_v_schedule_needs_torch_2_13_on_cpu(monkeypatch: pytest.Monk
 
 def test_world_size_is_validated() -> None:
     with pytest.raises(ConfigError, match="must multiply to the world size 4"):
-        load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3"], world_size=4)
+        load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.data_parallel_shard_degree", "3"],
+                        world_size=4)
     cfg = load_job_config(["--job.config_file", DEBUG_TOML, "--parallelism.tensor_parallel_degree", "2"], world_size=4)
     assert cfg.parallelism.data_parallel_shard_degree == -1  # resolved later, never written back
 
@@ -237,7 +303,8 @@ def test_world_size_is_validated() -> None:
      ["--parallelism.enable_async_tensor_parallel"]),
     (["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "every"], 1,
      ["--activation_checkpoint.selective_ac_option 'every'"]),
-    (["--parallelism.data_parallel_replicate_degree", "0"], 1, ["--parallelism.data_parallel_replicate_degree 0 must be an integer >= 1"]),
+    (["--parallelism.data_parallel_replicate_degree", "0"], 1,
+     ["--parallelism.data_parallel_replicate_degree 0 must be an integer >= 1"]),
     (["--training.global_batch_size", "8"], 2, ["--training.global_batch_size 8 must be a multiple of "
                                                 "--training.local_batch_size 8 x data-parallel degree 2 = 16"]),
 ])
@@ -331,8 +398,8 @@ def test_malformed_mixture_tables_are_named(tmp_path: Path) -> None:
       "--parallelism.pipeline_parallel_degree 2: the pipeline schedule's micro-batch shapes are fixed. Use "
       "--validation.local_batch_size 8 or leave it unset.",
       "--validation.seq_len 128 must equal --training.seq_len 256 under --parallelism.pipeline_parallel_degree 2"]),
-    (["--validation.seq_len", "102", "--parallelism.context_parallel_degree", "2", "--parallelism.tensor_parallel_degree",
-      "2"], 4,
+    (["--validation.seq_len", "102", "--parallelism.context_parallel_degree", "2",
+      "--parallelism.tensor_parallel_degree", "2"], 4,
      ["--validation.seq_len 102 must be divisible by 2 x --parallelism.context_parallel_degree 2 (and its 1/2 share by "
       "--parallelism.tensor_parallel_degree 2): context parallel splits each sequence into 4 load-balanced chunks. "
       "Try 100."]),

@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.init import init_weights
 from titan.models.llama.attention import SDPAAttention, build_dense_mask, document_layout
+from titan.models.llama.init import init_weights
 from titan.models.llama.model import Transformer
 from titan.parallel.cp import (
     ROTATE_METHODS,
@@ -26,7 +26,8 @@ from titan.parallel.cp import (
     uses_torch_context_parallel,
 )
 from titan.parallel.dims import destroy_distributed
-from torchrun import spawn_ranks
+
+from harness.torchrun import spawn_ranks
 
 CP = 2
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import tiktoken.load
 import torch
-from bpe_train import train_bpe, write_tiktoken
 
+from bpe_train import train_bpe, write_tiktoken
 from titan.config.errors import ConfigError
 from titan.config.job import Training, Validation
 from titan.data.dataset import (
@@ -376,7 +376,8 @@ def test_a_rank_reads_only_its_own_windows(tmp_path: Path, tokenizer: Tokenizer,
     stream = build_stream(tokenizer, training)
     read: list[int] = []
     window = type(stream.sources[0]).window
-    monkeypatch.setattr(type(stream.sources[0]), "window", lambda self, drawn: read.append(drawn) or window(self, drawn))
+    monkeypatch.setattr(type(stream.sources[0]), "window",
+                        lambda self, drawn: read.append(drawn) or window(self, drawn))
     windows = stream.take(2048, 700 * 2, 2)
     assert read == [1400, 1401] and windows.shape == (2, 33)
     stream.take(2048, 700 * 2, 2)
@@ -522,19 +523,32 @@ def test_resume_on_changed_data_or_an_old_position_is_a_config_error(tmp_path: P
 
 def test_mixture_draws_follow_the_weights(tmp_path: Path, tokenizer: Tokenizer) -> None:
     """Window i's source is a pure function of (seed, i): the same in every stream with that seed, other with
-    another seed, and each source's share of the windows follows its weight."""
+    another seed. The windows the stream hands out follow the weights: a chi-square test of each source's count in
+    each block of 1,000 windows against its share of the weights, which draws that do follow them fail with
+    probability 1e-6 (seed fixed, so the test is deterministic)."""
     code = write_jsonl(tmp_path / "code.jsonl", ["def f(): pass", "def g(x): return x + 1"])
-    training = Training(mixture=["shipped=1", f"jsonl:{code}=3"], seq_len=8)
+    prose = write_jsonl(tmp_path / "prose.jsonl", ["one two three four five six seven eight nine ten"])
+    weights = {"shipped": 1, f"jsonl:{code}": 2, f"jsonl:{prose}": 5}
+    training = Training(mixture=[f"{name}={weight}" for name, weight in weights.items()], seq_len=8)
 
-    def draws(seed: int) -> list[str]:
-        stream = build_stream(tokenizer, dataclasses.replace(training, seed=seed))
-        assert [stream.sources[i].name for i in stream.source_ids(0, 4000)] == \
-            [stream.source_of(index).name for index in range(4000)]
-        return [stream.source_of(index).name for index in range(4000)]
+    def source_ids(seed: int) -> list[int]:
+        return build_stream(tokenizer, dataclasses.replace(training, seed=seed)).source_ids(0, 4000).tolist()
 
-    first = draws(42)
-    assert first == draws(42) and first != draws(7)
-    assert 0.72 < first.count(f"jsonl:{code}") / len(first) < 0.78  # 3/4 of 4000 draws: 0.007 standard deviation
+    assert source_ids(42) == source_ids(42) and source_ids(42) != source_ids(7)
+    stream = build_stream(tokenizer, dataclasses.replace(training, seed=42))
+    assert [source.name for source in stream.sources] == list(weights)
+    num_blocks, block = 8, 1000
+    counts = []
+    for _ in range(num_blocks):
+        before = list(stream.drawn)
+        stream.take(block)
+        counts.append([after - drawn for after, drawn in zip(stream.drawn, before, strict=True)])
+    observed = torch.tensor(counts, dtype=torch.float64)  # (num_blocks, num_sources): windows drawn per source
+    expected = block * torch.tensor(list(weights.values()), dtype=torch.float64) / sum(weights.values())
+    chi_square = ((observed - expected) ** 2 / expected).sum()
+    degrees_of_freedom = torch.tensor(num_blocks * (len(weights) - 1), dtype=torch.float64)
+    p_value = torch.special.gammaincc(degrees_of_freedom / 2, chi_square / 2)  # the chi-square distribution's tail
+    assert p_value > 1e-6, f"draws per block {counts} do not follow the weights {weights} (p = {p_value:.2e})"
 
 
 def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer: Tokenizer,

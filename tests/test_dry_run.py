@@ -3,20 +3,24 @@ each config at that size with scripts/dry_run_configs.py)."""
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.attention import SDPBackend
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.dry_run import documented_world_size, dry_run_cli, main
+from titan.estimate.fake_cuda import cuda_refusal, sdpa_backend
 from titan.estimate.report import format_report
 from titan.estimate.simulate import DryRunResult, run_dry_run
-from titan.estimate.trace import OFFLOADED
 from titan.models.llama.args import LLAMA3_FLAVORS
-from titan.models.llama.model import TransformerBlock
+from titan.models.llama.model import Transformer, TransformerBlock
 
+aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
@@ -67,8 +71,9 @@ def test_report_counts_fsdp_traffic_and_memory() -> None:
 
 def test_memory_savers_are_accounted() -> None:
     """FSDP=2 of the debug model: bfloat16 optimizer state holds half the bytes of float32 state; CPU offload takes
-    the sharded parameters, their gradients and the optimizer state off the GPU (a lower peak, nothing in those
-    categories) and reports them as host memory: at least the parameters and state a plain rank holds."""
+    the sharded parameters, their gradients and the optimizer state off the GPU (a lower peak; of the parameters'
+    category only the buffers stay, the rotary table) and reports them as host memory: at least the parameters and
+    state a plain rank holds."""
     config = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dry_run"]
 
     def dry_run(*flags: str) -> DryRunResult:
@@ -79,8 +84,12 @@ def test_memory_savers_are_accounted() -> None:
     offloaded = offloaded_run.memory
     assert bf16_state.by_category["optimizer state"] == pytest.approx(plain.by_category["optimizer state"] / 2,
                                                                       rel=0.01)
-    assert plain.host == bf16_state.host == 0
-    assert all(offloaded.by_category[name] == 0 for name in OFFLOADED)
+    assert plain.host < 2**20 and bf16_state.host < 2**20  # the batches' host copies and the step's readback
+    assert offloaded.by_category["gradients"] == offloaded.by_category["optimizer state"] == 0
+    args = replace(LLAMA3_FLAVORS["debugmodel"], max_seq_len=load_job_config(config, 2).training.seq_len)
+    with torch.device("meta"):
+        rope_bytes = sum(b.numel() * b.element_size() for b in Transformer(args).buffers())
+    assert offloaded.by_category["parameters"] == rope_bytes
     assert offloaded.total < plain.total
     assert offloaded.host >= plain.by_category["parameters"] + plain.by_category["optimizer state"]
     assert "host memory (CPU offload)" in format_report(offloaded_run, load_job_config(config, 2).estimate)
@@ -134,12 +143,94 @@ def test_step_time_off_the_measurement_is_a_problem() -> None:
 
 
 def test_not_fitting_is_a_config_error() -> None:
-    """8B with 8 sequences of 8192 tokens per GPU does not fit an H100: the dry run says so and which fields help."""
-    with pytest.raises(ConfigError, match="--activation_checkpoint.mode"):
-        dry_run_cli(["--job.config_file", str(ROOT / "configs" / "llama3_8b.toml"), "--estimate.gpu", "H100",
-                     "--training.local_batch_size", "8"], 8, ranks=[0])
+    """The 1B flavor with 8 sequences of 8192 tokens per GPU and no AC does not fit an H100: the dry run says so, once,
+    and which fields help."""
+    with pytest.raises(ConfigError) as raised:
+        dry_run_cli(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--model.flavor", "1B",
+                     "--training.seq_len", "8192", "--training.local_batch_size", "8",
+                     "--training.mixed_precision_param", "bfloat16", "--estimate.gpu", "H100"], 8, ranks=[0])
+    message = str(raised.value)
+    assert message.startswith("Config error: Rank 0 of 8 would need") and "more than the 74.5 GiB of an H100" in message
+    assert "--activation_checkpoint.mode" in message
 
 
 def test_cli_rejects_a_rank_outside_the_job() -> None:
     assert main(["--world_size", "8", "--rank", "8", "--job.config_file",
                  str(ROOT / "configs" / "llama3_8b.toml")]) == 2
+
+
+def fake_cuda(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(shape, device="cuda", dtype=dtype)
+
+
+def test_cuda_rules_refuse_what_a_gpu_refuses() -> None:
+    """torch's fake tensors let a CPU 0-dim tensor into torch.stack beside a CUDA one (clipping's failure on every
+    GPU, issue 33); the dry run's rules refuse it as CUDA does, and let through what CUDA takes: copies, CPU scalars
+    of elementwise ops and of fill_, CPU index tensors."""
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        scalar, vector, index = torch.zeros(()), torch.zeros(3), torch.zeros(2, dtype=torch.long)
+        gpu_scalar, gpu = fake_cuda(), fake_cuda(3)
+        refused = {
+            "stack of a CPU and a CUDA scalar": (aten.stack.default, ([scalar, gpu_scalar],), {}),
+            "cat with a CPU vector": (aten.cat.default, ([vector, gpu],), {}),
+            "add of a CPU vector": (aten.add.Tensor, (gpu, vector), {}),
+            "a CPU scalar written from a CUDA tensor": (aten.add_.Tensor, (scalar, gpu_scalar), {}),
+        }
+        allowed = {
+            "a copy to the GPU": (aten._to_copy.default, (vector,), {"device": torch.device("cuda")}),
+            "a CPU scalar operand": (aten.mul.Tensor, (gpu, scalar), {}),
+            "fill_ with a CPU scalar": (aten.fill_.Tensor, (gpu, scalar), {}),
+            "CPU indices": (aten.index.Tensor, (gpu, [index]), {}),
+        }
+        for name, (func, args, kwargs) in refused.items():
+            assert cuda_refusal(func, args, kwargs) is not None, name
+        for name, (func, args, kwargs) in allowed.items():
+            assert cuda_refusal(func, args, kwargs) is None, name
+
+
+def test_sdpa_kernel_choice_follows_cuda() -> None:
+    """The kernel a simulated GPU's SDPA runs, by torch's CUDA rule: flash for 16-bit causal attention (grouped kv
+    heads read in place), memory-efficient for a mask or float32, and the math fallback, which holds every score,
+    for a mask with grouped kv heads: the case the model avoids by expanding them on CUDA (SDPAAttention)."""
+    with FakeTensorMode():
+        q, k = fake_cuda(1, 8, 64, 64, dtype=torch.bfloat16), fake_cuda(1, 2, 64, 64, dtype=torch.bfloat16)
+        mask = torch.ones(1, 1, 64, 64, dtype=torch.bool, device="cuda")
+        assert sdpa_backend(q, k, k, None, enable_gqa=True) == SDPBackend.FLASH_ATTENTION
+        assert sdpa_backend(q, q, q, mask, enable_gqa=False) == SDPBackend.EFFICIENT_ATTENTION
+        assert sdpa_backend(q.float(), q.float(), q.float(), None, enable_gqa=False) == SDPBackend.EFFICIENT_ATTENTION
+        assert sdpa_backend(q, k, k, mask, enable_gqa=True) == SDPBackend.MATH
+
+
+def test_the_simulated_gpu_runs_the_fused_attention_kernels() -> None:
+    """The debug model's block-causal attention in bf16 on the simulated GPU: the mask sends SDPA to the
+    memory-efficient kernel, with the kv heads expanded (the model's CUDA branch); without that branch the math
+    fallback would run, whose matmuls the report would not count as attention."""
+    flags = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--training.mixed_precision_param",
+             "bfloat16"]
+    result = run_dry_run(load_job_config([*flags, "--job.dry_run"], 1), 1, rank=0)
+    assert sum(op.attention for op in result.ops) == 2 * LLAMA3_FLAVORS["debugmodel"].n_layers
+
+
+@pytest.mark.parametrize("config, world_size, flags", [
+    ("debug_model.toml", 1, ["--training.enable_cpu_offload"]),
+    ("qwen3_debug_moe.toml", 2, ["--training.enable_cpu_offload"]),
+], ids=["offload-one-gpu", "expert-parallel-offload"])
+def test_cpu_offload_dry_runs_on_the_simulated_gpu(config: str, world_size: int, flags: list[str]) -> None:
+    """CPU offload on the simulated GPU: on one GPU over a one-rank FSDP mesh, and with expert parallel, whose
+    experts' shards go to host memory with the rest (before, their gradients' norm stayed on the GPU and clipping
+    stacked it with the host's, which a GPU refuses). The offloaded bytes are host memory."""
+    cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / config), *flags, "--job.dry_run"], world_size)
+    result = run_dry_run(cfg, world_size, rank=0)
+    assert result.memory.host > 0
+    assert result.memory.by_category["gradients"] == result.memory.by_category["optimizer state"] == 0
+
+
+def test_experts_fsdp_inside_checkpointed_blocks_dry_run_on_the_simulated_gpu() -> None:
+    """Qwen3-MoE with expert FSDP (EP 2 of 4 data-parallel ranks) in blocks that keep attention under compile (full
+    AC with a selective-checkpoint context): on CUDA the experts' FSDP unit, first of the recompute, opens one more
+    profiler range than in forward, and torch 2.13's selective checkpointing refused the backward (issue 33, found by
+    the simulated GPU; the CPU build took the same path without that range)."""
+    cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "qwen3_debug_moe.toml"),
+                           "--activation_checkpoint.mode", "full", "--training.compile",
+                           "--training.mixed_precision_param", "bfloat16", "--job.dry_run"], 4)
+    assert run_dry_run(cfg, 4, rank=0).memory.total > 0

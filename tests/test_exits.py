@@ -13,7 +13,8 @@ from titan.config.errors import ConfigError
 from titan.exits import run_main
 from titan.parallel.dims import destroy_distributed
 from titan.train.nan_guard import NonFiniteLossError
-from torchrun import spawn_ranks
+
+from harness.torchrun import spawn_ranks
 
 
 def stopping_rank(rank: int, folder: str) -> None:

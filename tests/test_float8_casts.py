@@ -11,9 +11,6 @@ from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from float8_codes import assert_codes_equal, spec_test_values
-from triton_interpreter import run_interpreted
-from reference import float8_ref as ref
 from titan.parallel.dims import destroy_distributed
 from titan.quant.float8.casts import (
     amax_to_scale,
@@ -25,7 +22,11 @@ from titan.quant.float8.casts import (
     torch_tensorwise_cast,
 )
 from titan.quant.formats import E4M3, E5M2, EPS
-from torchrun import spawn_ranks
+
+from harness.float8_codes import assert_codes_equal, spec_test_values
+from harness.torchrun import spawn_ranks
+from harness.triton_interpreter import run_interpreted
+from reference import float8_ref as ref
 
 FORMATS = [pytest.param(E4M3, ref.E4M3, id="e4m3"), pytest.param(E5M2, ref.E5M2, id="e5m2")]
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]

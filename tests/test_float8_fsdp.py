@@ -13,13 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from float8_fsdp_harness import STEPS, VARIANTS
 from titan.quant.float8.casts import dequantize, tensorwise_cast
 from titan.quant.float8.fsdp import Float8AllGatherWeight, apply_float8_all_gather
 from titan.quant.float8.gathered import Float8GatheredWeight
 from titan.quant.float8.linear import TENSORWISE_E4M3, Float8Linear, cast_operand
 from titan.quant.formats import E4M3
-from torchrun import CaseResults, run_cases, run_torchrun
+
+from harness.float8_fsdp_harness import STEPS, VARIANTS
+from harness.torchrun import CaseResults, run_cases, run_torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD_SIZE = 2
@@ -31,7 +32,7 @@ FLOAT8_VARIANTS = [name for name, variant in VARIANTS.items() if variant.float8_
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Every variant of tests/float8_fsdp_harness.py, trained on 2 gloo ranks."""
+    """Every variant of tests/harness/float8_fsdp_harness.py, trained on 2 gloo ranks."""
     tmp_path = tmp_path_factory.mktemp("float8_fsdp")
     run_torchrun("float8_fsdp_harness.py", WORLD_SIZE, str(tmp_path / "runs.pt"), str(tmp_path / "checkpoints"))
     return torch.load(tmp_path / "runs.pt")

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from torch import Tensor, nn
-from torchao.float8.config import Float8LinearConfig, ScalingGranularity, ScalingType
+from torchao.float8.config import Float8LinearConfig, ScalingType
 from torchao.float8.float8_linear import Float8Linear as TorchaoFloat8Linear
 from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim, hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import LinearMMConfig
@@ -143,40 +143,22 @@ def linear_with_weight(weight: Tensor) -> nn.Linear:
     return linear
 
 
-def torchao_rounds_to_bf16(config: Float8LinearConfig, casts: tuple[TorchaoCast, TorchaoCast],
-                           dtype: torch.dtype) -> bool:
-    """Whether torchao's result of a matmul with these casts went through bf16: native fp32 matmuls with an
-    axiswise operand (a tensorwise partner is repeated into a row or column of scales) ask torch._scaled_mm for
-    bf16 and upcast, since CUDA's rowwise kernel writes no fp32 (addmm_float8_unwrapped in
-    torchao/float8/float8_ops.py)."""
-    cast_configs = [getattr(config, cast.config_field) for cast in casts]
-    axiswise = any(cast_config.scaling_type is not ScalingType.DISABLED
-                   and cast_config.scaling_granularity is ScalingGranularity.AXISWISE for cast_config in cast_configs)
-    return not config.emulate and dtype == torch.float32 and axiswise
-
-
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
 @pytest.mark.parametrize("emulate", [True, False], ids=["emulated", "native"])
 @pytest.mark.parametrize("recipe_name", RECIPE_NAMES)
 def test_matmuls_match_torchao_float8_linear(recipe_name: str, emulate: bool, dtype: torch.dtype) -> None:
     """Output, grad_input and grad_weight of Titan's Float8Linear are bit for bit those of torchao's Float8Linear
     built from the same recipe, with emulate (dequantize, then one fp32 matmul, in both) and with torch._scaled_mm,
-    which torch 2.13 runs on CPU for tensorwise and rowwise scales and torchao calls there unchanged.
-
-    One stated difference: where torchao's native fp32 matmul goes through bf16 (torchao_rounds_to_bf16), Titan's
-    CPU path asks _scaled_mm for fp32 (only CUDA's rowwise kernel is bf16-only), so torchao's result is Titan's
-    rounded to bf16, bit for bit: both accumulate the same products in the same kernel, and rounding an fp32 to
-    bf16 is the same whether _scaled_mm or the caller does it."""
+    which torch 2.13 runs on CPU for tensorwise and rowwise scales and torchao calls there unchanged. Native fp32
+    matmuls with per-row scales go through bf16 in both, on every device, since CUDA's rowwise kernel writes no fp32
+    (addmm_float8_unwrapped in torchao/float8/float8_ops.py)."""
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe_name), emulate=emulate)
     x, weight, grad = linear_operands(dtype)
     want = run_linear(TorchaoFloat8Linear.from_float(linear_with_weight(weight), config), x, grad)
     got = run_linear(Float8Linear.from_linear(linear_with_weight(weight), recipe_name=recipe_name, emulate=emulate),
                      x, grad)
-    casts = torchao_casts(x, weight, grad)
     for matmul, result in got.items():
         assert result.dtype == want[matmul].dtype == dtype, f"{matmul}: {result.dtype}, torchao {want[matmul].dtype}"
-        if torchao_rounds_to_bf16(config, casts[matmul], dtype):
-            result = result.to(torch.bfloat16).to(dtype)
         torch.testing.assert_close(result, want[matmul], rtol=0, atol=0, msg=lambda m: f"{matmul}: {m}")
 
 

@@ -19,7 +19,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from train_script import losses_by_step, metric_records
 
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import (
@@ -44,8 +43,8 @@ from titan.data.loader import build_dataloader
 from titan.data.tokenizer import build_tokenizer
 from titan.models.families import FAMILIES
 from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from titan.models.llama.init import init_weights
 from titan.models.llama.attention import document_layout
+from titan.models.llama.init import init_weights
 from titan.models.llama.loss import cross_entropy_loss, mask_cross_document_targets
 from titan.models.llama.model import (
     Attention,
@@ -53,6 +52,8 @@ from titan.models.llama.model import (
     apply_rotary_emb,
     precompute_rope_cache,
 )
+
+from harness.train_script import losses_by_step, metric_records
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 2256  # the shipped tokenizer's odd size: padded to 2304, so the padding rows are exercised

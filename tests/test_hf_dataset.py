@@ -8,7 +8,7 @@ import datasets
 import huggingface_hub
 import pytest
 
-from debug_training import train_losses
+from harness.debug_training import train_losses
 
 
 def test_hf_dataset_folder_trains_like_its_jsonl_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -19,7 +19,8 @@ def test_hf_dataset_folder_trains_like_its_jsonl_file(tmp_path: Path, monkeypatc
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     folder = tmp_path / "data"
     folder.mkdir()
-    texts = [f"Document {i} of a local Hugging Face dataset. " + "Titan reads it offline. " * (i + 1) for i in range(16)]
+    texts = [f"Document {i} of a local Hugging Face dataset. " + "Titan reads it offline. " * (i + 1)
+             for i in range(16)]
     (folder / "train.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
     hf = train_losses(tmp_path / "hf", "--training.steps", "2", "--training.dataset", "hf", "--training.dataset_path",
                       str(folder))

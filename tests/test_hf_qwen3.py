@@ -29,7 +29,8 @@ from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
 from titan.models.families import FAMILIES
 from titan.models.qwen3 import MoEArgs, Qwen3Args, Transformer, build_qwen3_args, init_weights
 from titan.parallel.dims import destroy_distributed
-from torchrun import spawn_ranks
+
+from harness.torchrun import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 2256  # the shipped tokenizer's odd size: padded to 2304, so the padding rows are exercised

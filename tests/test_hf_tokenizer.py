@@ -10,10 +10,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
-from bpe_train import count_chunks, train_bpe
-from tokenizers import Tokenizer as BackendTokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from bpe_train import count_chunks, train_bpe
 from test_data import random_unicode
 from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.data.hf_tokenizer import write_hf_tokenizer
@@ -27,6 +26,7 @@ from titan.data.tokenizer import (
     build_tokenizer,
     llama3_special_tokens,
 )
+from tokenizers import Tokenizer as BackendTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from debug_training import train
 from titan.models.llama.loss import IGNORE_INDEX, OutputLoss, cross_entropy_sum
 from titan.train.step import TrainingStep
+
+from harness.debug_training import train
 
 VOCAB, PADDED_VOCAB, DIM = 2256, 2304, 32  # the debug tokenizer's real and padded vocab
 BATCH, SEQ = 3, 100  # 300 tokens
@@ -132,7 +133,8 @@ def test_uneven_valid_targets_weigh_every_target_the_same(tmp_path: Path) -> Non
     torch.manual_seed(1)
     tokens = torch.randint(3, 2000, (4, 65))
     inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:]
-    inputs[:2, 5:] = training.eos_id  # their targets masked as next-document starts: the first micro-batch keeps 10 of 128
+    # Their targets masked as next-document starts: the first micro-batch keeps 10 of 128.
+    inputs[:2, 5:] = training.eos_id
     one_batch = training.grad_accumulation_steps
     assert one_batch == 2
     loss, grads = step_gradients(training, [(inputs[:2], labels[:2]), (inputs[2:], labels[2:])])

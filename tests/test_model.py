@@ -23,6 +23,7 @@ from titan.models.llama import (
 from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
 from titan.models.llama.attention import SDPAAttention, expand_kv_heads
 from titan.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+
 from reference.rope_ref import complex_rope, complex_rotation_table
 
 VOCAB = 2256  # the shipped tokenizer's odd size

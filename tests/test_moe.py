@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
@@ -16,9 +17,10 @@ from titan.models.qwen3 import moe as moe_module
 from titan.models.qwen3.moe import GroupedExperts, Router, grouped_swiglu, load_balancing_loss
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import expert_major_order
-from titan.train.expert_balance import ExpertBalancer
 from titan.quant.convert import apply_converters
-from torchrun import run_torchrun
+from titan.train.expert_balance import ExpertBalancer
+
+from harness.torchrun import run_torchrun
 
 # Published sizes (the Qwen3 technical report, arXiv:2505.09388, and each model card): total, non-embedding (the
 # embedding and, untied, the output left out) and, for MoE, activated parameters, in billions as printed.
@@ -174,7 +176,7 @@ def test_balancer_moves_biases_towards_the_mean_and_resets_the_counts() -> None:
     model.layers["0"].moe = build_moe(dataclasses.replace(MOE, load_balance_coeff=0.01))
     layer = model.layers["0"].moe
     layer.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
-    balancer = ExpertBalancer(model, coeff=0.01, dp_cp_mesh=None)
+    balancer = ExpertBalancer(model, num_blocks=1, coeff=0.01, count_mesh=None)
     balancer.after_optimizer_step(skip=torch.tensor(True))  # a skipped update leaves the bias
     torch.testing.assert_close(layer.router.expert_bias, torch.zeros(4))
     assert layer.tokens_per_expert.sum() == 0
@@ -184,6 +186,20 @@ def test_balancer_moves_biases_towards_the_mean_and_resets_the_counts() -> None:
     metrics = balancer.load_metrics()
     assert metrics["moe_imbalance"] == pytest.approx(6 / 4)
     assert metrics["tokens_per_expert"] == {"layers.0": [6, 2, 4, 4]}
+
+
+def test_load_metrics_name_each_layer_by_its_block_in_the_whole_model() -> None:
+    """A pipeline stage holding only block 2 of 4, checkpoint-wrapped (activation checkpointing puts
+    _checkpoint_wrapped_module in its module path): its load is reported as layers.2, the whole model's FQN, and no
+    other block is reported (none is counted here, and no other stage adds to this one's table)."""
+    block = torch.nn.Module()
+    block.moe = build_moe()
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"2": checkpoint_wrapper(block)})})
+    block.moe.tokens_per_expert.copy_(torch.tensor([3.0, 5.0, 4.0, 4.0]))
+    balancer = ExpertBalancer(model, num_blocks=4, coeff=0.01, count_mesh=None)
+    balancer.after_optimizer_step(skip=None)
+    assert balancer.load_metrics() == {"moe_imbalance": pytest.approx(5 / 4), "tokens_per_expert": {
+        "layers.2": [3, 5, 4, 4]}}
 
 
 def test_received_tokens_are_regrouped_by_expert() -> None:
@@ -248,7 +264,7 @@ def test_family_and_expert_layout_mistakes_are_config_errors(flags: list[str], w
 
 def test_expert_parallel_borrows_data_parallel_ranks() -> None:
     cfg = load_job_config([*MOE_FLAVOR, "--parallelism.expert_parallel_degree", "2"], world_size=4)
-    dims = resolve_dims(cfg.parallelism, 4)
+    dims = resolve_dims(cfg.parallelism, 4, cpu_offload=False)
     assert (dims.dp_shard, dims.ep, dims.expert_fsdp, dims.world_size) == (4, 2, 2, 4)
 
 

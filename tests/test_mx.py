@@ -9,14 +9,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from debug_training import DEBUG_TOML, train_losses
-from reference import float8_ref, mx_ref
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
 from titan.quant.convert import apply_converters, apply_mx, format_report
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.mx.linear import MXLinear, to_blocked
+
+from harness.debug_training import DEBUG_TOML, train_losses
+from reference import float8_ref, mx_ref
 
 
 def sqnr_db(reference: Tensor, approximation: Tensor) -> float:
@@ -156,8 +157,9 @@ def test_float8_and_mx_must_split_the_layers() -> None:
 
     model = Toy()
     decisions = decisions_by_fqn(apply_converters(
-        model, ["float8", "mx"], Float8(filter_fqns=["output", "feed_forward"]), MX(filter_fqns=["output", "attention"]),
-        tp_degree=1, fsdp_enabled=False, print_after_conversion=False).decisions)
+        model, ["float8", "mx"], Float8(filter_fqns=["output", "feed_forward"]),
+        MX(filter_fqns=["output", "attention"]), tp_degree=1, fsdp_enabled=False,
+        print_after_conversion=False).decisions)
     assert isinstance(model.attention, Float8Linear) and isinstance(model.feed_forward, MXLinear)
     assert isinstance(model.odd, Float8Linear)  # mx cannot take it, float8 can
     assert decisions["output"].result == ("skipped: matches --float8.filter_fqns 'output'; "
@@ -186,9 +188,9 @@ def test_mx_needs_blackwell_or_emulate() -> None:
     assert cfg.mx == MX(recipe_name="mxfp8", filter_fqns=["output", "attention"], emulate=True)
 
 
-def test_debug_model_trains_in_mxfp8(tmp_path: Path) -> None:
+def test_debug_model_trains_in_mxfp8(tmp_path: Path, fp32_debug_losses: list[float]) -> None:
     """Short CI version of scripts/bench_mx.py --loss-curve: 15 steps, MXFP8 tracks fp32 closely."""
-    fp32 = train_losses(tmp_path / "fp32", "--training.steps", "15")
+    fp32 = fp32_debug_losses
     mx = train_losses(tmp_path / "mx", "--training.steps", "15", "--model.converters", "mx", "--mx.emulate")
     assert all(math.isfinite(loss) for loss in mx)
     assert mx[-1] < mx[0] - 0.5

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from float8_codes import assert_codes_equal, spec_test_values
-from reference import float8_ref, mx_ref
-from triton_interpreter import run_interpreted
 from titan.quant.mx import dequantize, quantize
 from titan.quant.mx.numerics import torch_quantize
+
+from harness.float8_codes import assert_codes_equal, spec_test_values
+from harness.triton_interpreter import run_interpreted
+from reference import float8_ref, mx_ref
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORMATS = [pytest.param(E4M3, float8_ref.E4M3, id="e4m3"), pytest.param(E5M2, float8_ref.E5M2, id="e5m2")]
@@ -177,7 +178,8 @@ def triton_cases() -> list[tuple[str, Tensor, torch.dtype, int]]:
     for elem_dtype in (E4M3, E5M2):
         for dtype in (torch.float32, torch.bfloat16):
             for dim in (-1, 0):
-                x = torch.randn(96, 160, generator=generator) * 10.0 ** torch.randint(-8, 8, (96, 1), generator=generator)
+                exponents = torch.randint(-8, 8, (96, 1), generator=generator)
+                x = torch.randn(96, 160, generator=generator) * 10.0 ** exponents
                 cases.append((f"96x160 {dtype}", x.to(dtype), elem_dtype, dim))
         x, _, _ = every_value_at_every_scale(SPECS[elem_dtype])
         cases.append(("every value at every scale", x, elem_dtype, -1))

@@ -1,7 +1,8 @@
-"""Checkpoints on object storage, against a real S3-compatible server on localhost (tests/s3_server.py) through s3fs,
-as on a cluster without a shared filesystem: every run here writes its logs and metrics to a local folder of its own
-and its checkpoints only to the bucket. FSDP=2 async saves with keep_latest_k resumed on one process, a save killed
-before its marker, a failed upload, and the errors for a missing bucket, missing credentials and denied access."""
+"""Checkpoints on object storage, against a real S3-compatible server on localhost (tests/harness/s3_server.py)
+through s3fs, as on a cluster without a shared filesystem: every run here writes its logs and metrics to a local
+folder of its own and its checkpoints only to the bucket. FSDP=2 async saves with keep_latest_k resumed on one
+process, a save killed before its marker, a failed upload, and the errors for a missing bucket, missing credentials
+and denied access."""
 
 import os
 import subprocess
@@ -15,11 +16,12 @@ import fsspec
 import pytest
 from s3fs import S3FileSystem
 
-from s3_server import S3Server
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf_io import INDEX_FILE
 from titan.checkpoint.storage import MARKER
-from train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
+
+from harness.s3_server import S3Server
+from harness.train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
 
 BASE = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]

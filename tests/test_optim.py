@@ -130,7 +130,8 @@ def test_stochastic_rounding_keeps_increments_that_nearest_rounding_loses() -> N
 def mlp_after_steps(optimizer_for: Callable[[list[dict]], torch.optim.Optimizer], steps: int = 5,
                     skip_at: int | None = None) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
     """The MLP of train_copies in two groups (decayed matrices, undecayed biases) after `steps` updates; with
-    `skip_at`, that step's update is skipped through found_inf."""
+    `skip_at`, that step's gradients hold a NaN and an inf, as the steps the trainer skips do, and its update is
+    skipped through found_inf."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 8))
     matrices = [p for p in model.parameters() if p.ndim == 2]
@@ -142,6 +143,8 @@ def mlp_after_steps(optimizer_for: Callable[[list[dict]], torch.optim.Optimizer]
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         if step == skip_at:
+            matrices[0].grad[0, 0] = float("nan")
+            biases[-1].grad[0] = float("inf")
             optimizer.found_inf = torch.ones(())
         optimizer.step()
         optimizer.__dict__.pop("found_inf", None)
@@ -178,17 +181,35 @@ def test_bf16_state_is_bfloat16_and_close_to_float32() -> None:
         torch.testing.assert_close(ours, reference, rtol=0, atol=2e-3)  # 5 steps of 1e-2, moments off by <2^-8
 
 
-def test_found_inf_skips_the_whole_update() -> None:
-    """A step skipped through found_inf leaves weights, moments and step counts as they were: 5 steps with the 3rd
-    skipped end where 4 steps on the same other batches would, which a run that never saw batch 3 shows."""
-    build = lambda groups: BF16StateAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,  # noqa: E731
-                                         weight_decay=0.1, decoupled=True, state_dtype=torch.float32)
+def optimizer_states(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every state tensor (step counts and moments) of every parameter, in parameter order, as copies."""
+    return [value.clone() for state in optimizer.state.values() for value in state.values()]
+
+
+SKIPPING_OPTIMIZERS = {
+    "bf16 state": lambda groups: BF16StateAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                               decoupled=True, state_dtype=torch.bfloat16),
+    "float32 state": lambda groups: BF16StateAdam(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                                  decoupled=True, state_dtype=torch.float32),
+    "fused AdamW": lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True),
+}
+"""The optimizers the trainer skips an update of through found_inf (TrainingStep.skips_on_device)."""
+
+
+@pytest.mark.parametrize("name", SKIPPING_OPTIMIZERS)
+def test_found_inf_skips_the_whole_update(name: str) -> None:
+    """A step skipped through found_inf, with a NaN and an inf among its gradients as a skipped step has, leaves
+    weights, moments and step counts bit for bit as they were: 3 steps with the 3rd skipped end where 2 steps do.
+    5 steps with the 3rd skipped count 4 updates and go on past the skip."""
+    build = SKIPPING_OPTIMIZERS[name]
+    first_two, two_steps = mlp_after_steps(build, steps=2)
+    three, skipped_third = mlp_after_steps(build, steps=3, skip_at=3)
+    for after_skip, before in zip(three + optimizer_states(skipped_third), first_two + optimizer_states(two_steps),
+                                  strict=True):
+        assert after_skip.dtype == before.dtype and torch.equal(after_skip, before)
     skipped, optimizer = mlp_after_steps(build, steps=5, skip_at=3)
-    assert next(iter(optimizer.state.values()))["step"].item() == 4
-    first_two, _ = mlp_after_steps(build, steps=2)
-    three, _ = mlp_after_steps(build, steps=3, skip_at=3)
-    for after_skip, before in zip(three, first_two, strict=True):
-        assert torch.equal(after_skip, before)
+    assert all(state["step"].item() == 4 for state in optimizer.state.values())
+    assert all(param.isfinite().all() for param in skipped)
     assert not all(torch.equal(a, b) for a, b in zip(skipped, three, strict=True))
 
 

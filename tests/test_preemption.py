@@ -14,18 +14,24 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from debug_training import DEBUG_TOML
 from titan.checkpoint.storage import LocalSteps
 from titan.config.check import load_job_config
-from titan.config.errors import ConfigError
 from titan.config.domain import parse_duration
+from titan.config.errors import ConfigError
 from titan.exits import run_main
+from titan.parallel.dims import has_nccl
 from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
-from train_script import ROOT, losses_by_step, metric_records
+from titan.train.watchdog import Watchdog
 
-STEPS = 20
+from harness.debug_training import DEBUG_TOML
+from harness.train_script import ROOT, losses_by_step, metric_records
+
+STEPS = 10
+STOP_STEP = 7
+"""The step at which the stop tests send SIGTERM: after the checkpoint of step 5, before the run's end."""
 SMALL = ["--job.config_file", DEBUG_TOML, "--training.seq_len", "32", "--training.local_batch_size", "2",
          "--metrics.log_freq", "1", "--training.steps", str(STEPS)]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
@@ -62,10 +68,10 @@ def act_after_step(trainer: Trainer, step: int, action: Callable[[], None], monk
 
 
 def launch(nprocs: int, action: str | None, folder: Path, *flags: str) -> subprocess.CompletedProcess:
-    """tests/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) under
+    """tests/harness/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) under
     titan.launch, the launcher run_train.sh runs."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
-               str(ROOT / "tests" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
+               str(ROOT / "tests" / "harness" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
     # One thread per process, as torchrun gives several ranks and as the tests in this process use.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
     if action is not None:
@@ -85,7 +91,7 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """Losses of the straight 20-step single-process run."""
+    """Losses of the straight STEPS-step single-process run."""
     folder = tmp_path_factory.mktemp("straight")
     build_trainer(folder).run()
     return losses_by_step(folder)
@@ -101,43 +107,43 @@ def test_time_limit_spellings() -> None:
 def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: Path,
                                                                      one_process_losses: dict[int, float],
                                                                      titan_records: list[logging.LogRecord]) -> None:
-    """SIGTERM to the launcher (as Slurm or Kubernetes send it) at step 13: it passes the signal on, the rank
-    finishes step 13, saves it and exits 4, and so does the launcher. Rerunning resumes with the straight run's
+    """SIGTERM to the launcher (as Slurm or Kubernetes send it) at STOP_STEP: it passes the signal on, the
+    rank finishes that step, saves it and exits 4, and so does the launcher. Rerunning resumes with the straight run's
     losses, bit for bit."""
     flags = [*CHECKPOINT, "--checkpoint.async_mode", "async"]  # the stop's save blocks all the same
-    result = launch(1, "13:0:launcher", tmp_path, *flags)
+    result = launch(1, f"{STOP_STEP}:0:launcher", tmp_path, *flags)
     output = result.stdout + result.stderr
     assert result.returncode == 4, output
     assert "The launcher received SIGTERM and passed it on to its ranks." in output
-    assert "Rank 0 received SIGTERM: finishing step 13, then saving a checkpoint and exiting." in output
-    assert (f"Stopped at step 13: rank 0 received SIGTERM. Its checkpoint is {tmp_path}/checkpoint/step-13; rerun "
-            f"the same command to resume.") in output
+    assert f"Rank 0 received SIGTERM: finishing step {STOP_STEP}, then saving a checkpoint and exiting." in output
+    assert (f"Stopped at step {STOP_STEP}: rank 0 received SIGTERM. Its checkpoint is "
+            f"{tmp_path}/checkpoint/step-{STOP_STEP}; rerun the same command to resume.") in output
     assert "Traceback" not in output
-    assert LocalSteps(tmp_path / "checkpoint").complete_steps() == [5, 10, 13]
+    assert LocalSteps(tmp_path / "checkpoint").complete_steps() == [5, STOP_STEP]
     num_stopped_records = len(metric_records(tmp_path))
     build_trainer(tmp_path, *flags).run()  # the same flags, in this process
-    assert loss_steps_since(tmp_path, num_stopped_records) == list(range(14, STEPS + 1))
-    assert any(record.getMessage().startswith(loaded_line(tmp_path, 13)) for record in titan_records)
+    assert loss_steps_since(tmp_path, num_stopped_records) == list(range(STOP_STEP + 1, STEPS + 1))
+    assert any(record.getMessage().startswith(loaded_line(tmp_path, STOP_STEP)) for record in titan_records)
     assert losses_by_step(tmp_path) == one_process_losses
 
 
 def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
-    """FSDP=2: only rank 1 gets SIGTERM, at step 13. Both ranks stop after step 13, with its checkpoint, exit code
+    """FSDP=2: only rank 1 gets SIGTERM, at STOP_STEP. Both ranks stop after that step, with its checkpoint, exit code
     4 through the launcher; the same command again finishes the run with a straight run's losses, bit for bit."""
     straight = launch(2, None, tmp_path / "straight", *CHECKPOINT, *FSDP2)
     assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
     folder = tmp_path / "stopped"
-    stopped = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)
+    stopped = launch(2, f"{STOP_STEP}:1:signal", folder, *CHECKPOINT, *FSDP2)
     assert stopped.returncode == 4, stopped.stdout[-3000:] + stopped.stderr[-3000:]
-    assert "[rank1] WARNING Rank 1 received SIGTERM: finishing step 13" in stopped.stdout
+    assert f"[rank1] WARNING Rank 1 received SIGTERM: finishing step {STOP_STEP}" in stopped.stdout
     for rank in (0, 1):
-        assert f"[rank{rank}] ERROR Stopped at step 13: rank 1 received SIGTERM." in stopped.stdout
-    assert LocalSteps(folder / "checkpoint").complete_steps() == [5, 10, 13]
+        assert f"[rank{rank}] ERROR Stopped at step {STOP_STEP}: rank 1 received SIGTERM." in stopped.stdout
+    assert LocalSteps(folder / "checkpoint").complete_steps() == [5, STOP_STEP]
     num_stopped_records = len(metric_records(folder))
-    rerun = launch(2, "13:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after step 13, so it sends nothing
+    rerun = launch(2, f"{STOP_STEP}:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after it, so it sends nothing
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
-    assert f"[rank0] INFO {loaded_line(folder, 13)}" in rerun.stdout, rerun.stdout[-3000:]
-    assert loss_steps_since(folder, num_stopped_records) == list(range(14, STEPS + 1))
+    assert f"[rank0] INFO {loaded_line(folder, STOP_STEP)}" in rerun.stdout, rerun.stdout[-3000:]
+    assert loss_steps_since(folder, num_stopped_records) == list(range(STOP_STEP + 1, STEPS + 1))
     assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
 
 
@@ -160,7 +166,7 @@ def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monke
     build_trainer(folder, *flags).run()
     assert any(record.getMessage().startswith(loaded_line(folder, stopped)) for record in titan_records)
     assert loss_steps_since(folder, num_stopped_records) == list(range(stopped + 1, 7))
-    # The 20-step straight run warms up over other steps (the warmup is cut to --training.steps): its own reference.
+    # The STEPS-step straight run warms up over other steps (the warmup is cut to --training.steps): its own reference.
     build_trainer(tmp_path / "straight", "--training.steps", "6").run()
     assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
 
@@ -242,3 +248,24 @@ def test_a_single_process_that_hangs_writes_its_stacks_and_exits_5(tmp_path: Pat
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert result.returncode == 5, result.stdout + result.stderr
     assert "in stuck_after_step_7" in (tmp_path / "hang" / "rank_0.txt").read_text()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl,cpu:gloo"])
+def test_the_watchdog_dumps_nccls_flight_recorder_beside_gloo(backend: str, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's flight recorder is dumped whenever the default group runs NCCL, also beside gloo for host tensors
+    (--training.enable_cpu_offload's backend string), whose dump comes too. A CPU build has no NCCL dump to call: the
+    two dumps stand in for torch's, recording that they were asked."""
+    c10d = torch._C._distributed_c10d
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace", lambda **kwargs: b"nccl", raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda **kwargs: b"gloo")
+    watchdog = Watchdog(60, tmp_path, rank=3, world_size=2, traces_folder=tmp_path)
+    written = watchdog.write_comm_traces()
+    assert [path.name for path in written] == ["rank_3", "gloo_rank_3"]
+    assert (tmp_path / "rank_3").read_bytes() == b"nccl"
+
+
+def test_backend_strings_with_nccl() -> None:
+    assert has_nccl("nccl") and has_nccl("cuda:nccl,cpu:gloo") and has_nccl("cpu:gloo,cuda:nccl")
+    assert not has_nccl("gloo") and not has_nccl("cpu:gloo")

@@ -6,8 +6,15 @@ from dataclasses import replace
 import pytest
 
 from titan.config.job import Estimate
-from titan.estimate.roofline import (GPUS, Collective, Network, OpCost, collective_seconds, compute_seconds,
-                                     estimate_step)
+from titan.estimate.roofline import (
+    GPUS,
+    Collective,
+    Network,
+    OpCost,
+    collective_seconds,
+    compute_seconds,
+    estimate_step,
+)
 from titan.metrics.throughput import PEAK_BF16_FLOPS
 
 # The datasheet H100, every kernel at its peak: round numbers for the arithmetic below.

@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
-from titan.parallel.pp import log_schedule
 from titan.config.stages import even_split, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
+from titan.parallel.pp import log_schedule
 
 
 @pytest.mark.parametrize("num_layers, num_stages, schedule, counts", [

@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,8 @@ from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
 from titan.estimate.data_cost import data_report_lines, measure_data_cost
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXTS = ["The first document.", "", "A second one, longer than the first by a few words.", "Third: \u00e9t\u00e9 \u2603."]
+TEXTS = ["The first document.", "", "A second one, longer than the first by a few words.",
+         "Third: \u00e9t\u00e9 \u2603."]
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +196,25 @@ main(["--dataset", "shipped", "--out", "{tmp_path / 'store'}"])
     source = build_document_source("shipped", None, "--training.dataset", "--training.dataset_path")
     prepare_store(source.documents(), source.description, tokenizer, tmp_path / "store", source.origin, 1)
     assert open_store(tmp_path / "store", tokenizer).meta["num_documents"] > 300
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]  # the killed process's folder is gone
+
+
+def test_next_preparation_removes_the_leftovers_of_dead_processes_only(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    """Temporary folders are named by host and PID: the next preparation of the store removes those of this host's
+    processes that are gone, and leaves a running one's (another job preparing the same store) and another host's,
+    whose PIDs can't be checked from here (a filesystem shared by nodes)."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # reaped: its PID names no process now
+    host = socket.gethostname()
+    dead_leftover = f".store.partial-{host}-{dead.pid}"
+    kept = [f".store.partial-{host}-{os.getppid()}",  # a running process's: pytest's parent
+            f".store.partial-other-{host}-{dead.pid}",  # another host's (named other-<this host>)
+            f".other.partial-{host}-{dead.pid}"]  # another store's, left to that store's next preparation
+    for name in [dead_leftover, *kept]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "tokens.npy").write_bytes(b"half")
+    prepared(tmp_path, tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d.jsonl", "store", *kept])
 
 
 def test_prepare_command(tmp_path: Path) -> None:

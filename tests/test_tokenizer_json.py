@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer
 
+import tokenizers
 from test_data import random_unicode
 from test_store import jsonl_source, prepared, write_jsonl
 from titan.config.errors import ConfigError
@@ -26,7 +25,9 @@ from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.store import open_store, tokenizer_fingerprint
 from titan.data.tokenizer import LLAMA3_SPLIT_PATTERN, SHIPPED_TOKENIZER, build_tokenizer
-from train_script import run_train_here
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from harness.train_script import run_train_here
 
 # Qwen2's (and Qwen3's) pre-tokenizer: Llama 3's regex with single digits (\p{N}, not \p{N}{1,3}).
 QWEN2_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"

@@ -5,7 +5,7 @@ import json
 import math
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,11 +14,13 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from debug_training import NUM_LAYERS
 from titan.config.check import load_job_config
 from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_error, stop_hints
-from titan.train.readback import Readback
 from titan.train.trainer import Trainer
+
+from harness.debug_training import NUM_LAYERS
+from harness.nan_injection import nan_at
+from harness.trainer_probe import counting_host_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -146,25 +148,9 @@ def test_deterministic_allows_only_deterministic_algorithms(tmp_path: Path, dete
     assert read_metrics(tmp_path / "deterministic")[-1]["loss"] == read_metrics(tmp_path / "default")[-1]["loss"]
 
 
-@pytest.fixture
-def nan_at_step_3(monkeypatch: pytest.MonkeyPatch):
-    """Make the loss non-finite from the third step on, the way a diverging run would."""
-
-    def install(trainer: Trainer) -> None:
-        real_loss = trainer.training.model.output_loss.logits_loss
-
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = real_loss(logits, labels)
-            return loss * float("nan") if trainer.step >= 3 else loss
-
-        monkeypatch.setattr(trainer.training.model.output_loss, "logits_loss", loss_fn)
-
-    return install
-
-
-def test_nan_loss_stops_at_that_step(tmp_path: Path, nan_at_step_3) -> None:
+def test_nan_loss_stops_at_that_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = build_trainer(tmp_path, "--training.steps", "10")
-    nan_at_step_3(trainer)
+    nan_at(trainer, range(3, 11), monkeypatch.setattr)  # from step 3 on, as a diverging run
     with pytest.raises(NonFiniteLossError) as err:
         trainer.run()
     message = str(err.value)
@@ -176,73 +162,24 @@ def test_nan_loss_stops_at_that_step(tmp_path: Path, nan_at_step_3) -> None:
     assert trainer.training.optimizer.state[first_param]["step"].item() == 2  # no step on the nan
 
 
-class HostReads(TorchDispatchMode):
-    """Counts device-to-host reads, each a blocking device sync: one element (.item(), float(t), bool(t):
-    aten._local_scalar_dense), a copy from a device to the CPU (.cpu(), .to("cpu")), and .tolist() and .numpy(),
-    which read a CPU tensor's memory without dispatching any op, so they are counted by wrapping them. A read made
-    inside another (.tolist() of a GPU tensor copies it to the CPU first) counts once."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        super().__init__()
-        self.count = 0
-        self.inside_read = False
-        for name in ("tolist", "numpy"):
-            monkeypatch.setattr(torch.Tensor, name, self.counted(getattr(torch.Tensor, name)))
-
-    def counted(self, read: Callable[..., object]) -> Callable[..., object]:
-        def counted_read(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
-            if self.inside_read:
-                return read(tensor, *args, **kwargs)
-            self.count += 1
-            self.inside_read = True
-            try:
-                return read(tensor, *args, **kwargs)
-            finally:
-                self.inside_read = False
-
-        return counted_read
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        if not self.inside_read and (func is torch.ops.aten._local_scalar_dense.default
-                                     or copies_to_host(func, args, result)):
-            self.count += 1
-        return result
-
-
-def copies_to_host(func: torch._ops.OpOverload, args: tuple, result: object) -> bool:
-    """Whether `func` copied a tensor from a device to the CPU (.cpu(), .to("cpu"), copy_ into a CPU tensor)."""
-    if func is torch.ops.aten._to_copy.default:
-        source = args[0]
-    elif func is torch.ops.aten.copy_.default:
-        source = args[1]
-    else:
-        return False
-    return result.device.type == "cpu" and source.device.type != "cpu"
-
-
-def test_the_step_loop_reads_a_step_only_once_the_next_is_queued(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """No blocking read in the step loop: over a whole run that logs every step, nothing reads device memory
-    (.item(), .tolist(), a copy to the CPU; HostReads) except each step's Readback, which the loop reads while the
-    step after it is queued (trainer.step is one ahead), and the last step's at the end of the run."""
-    trainer = build_trainer(tmp_path, "--training.steps", "6")
-    real_values = Readback.values
-    read_at: list[int] = []
-    with HostReads(monkeypatch) as reads:
-        def values(readback: Readback) -> list[float]:
-            read_at.append(trainer.step)
-            reads.inside_read = True  # counted apart, in read_at
-            try:
-                return real_values(readback)
-            finally:
-                reads.inside_read = False
-
-        monkeypatch.setattr(Readback, "values", values)
+@pytest.mark.parametrize("model", [[], ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]],
+                         ids=["dense", "moe"])
+def test_the_step_loop_reads_a_step_only_once_the_next_is_queued(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   model: list[str]) -> None:
+    """No blocking read in the step loop: over a whole run that logs every step (with a mixture of experts' load
+    too), the host reads no tensor's values (HostReads: .item(), .tolist(), .cpu(), .to("cpu"), data-dependent
+    sizes, whatever the device) except through each step's Readbacks (the loss's, and the expert counts'), which
+    the loop reads while the step after it is queued (trainer.step is one ahead), and the last step's at the end of
+    the run. Expert parallel's reads: tests/test_parallel.py."""
+    trainer = build_trainer(tmp_path, "--training.steps", "6", *model)
+    with counting_host_reads(trainer, monkeypatch) as (reads, read_at):
         trainer.run()
-    assert reads.count == 0
-    assert read_at == [2, 3, 4, 5, 6, 6]
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4, 5, 6]
+    assert reads.reads == []
+    readbacks_per_step = 2 if model else 1
+    assert read_at == [step for step in [2, 3, 4, 5, 6, 6] for _ in range(readbacks_per_step)]
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert all(len(r.get("tokens_per_expert", ())) == (6 if model else 0) for r in records)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's sync debug mode needs a GPU")

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from debug_training import train
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from train_script import losses_by_step, validation_records
+
+from harness.debug_training import train
+from harness.train_script import losses_by_step, validation_records
 
 # 4 batches of 4 x 64 tokens per evaluation: seconds, and enough held-out tokens to see the loss fall.
 VALIDATION = ["--validation.enable", "--validation.steps", "4"]
@@ -55,5 +56,6 @@ def test_validation_seq_len_longer_than_training_is_a_config_error() -> None:
 def test_validation_under_the_v_schedule_is_a_config_error() -> None:
     flags = ["--validation.enable", "--parallelism.pipeline_parallel_degree", "2",
              "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble", "--training.local_batch_size", "4"]
-    with pytest.raises(ConfigError, match="--validation.enable can't run under --parallelism.pipeline_parallel_schedule"):
+    with pytest.raises(ConfigError,
+                       match="--validation.enable can't run under --parallelism.pipeline_parallel_schedule"):
         load_job_config(flags, 2)

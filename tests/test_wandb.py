@@ -1,6 +1,6 @@
 """Weights & Biases (--metrics.enable_wandb), offline: the run's history holds what metrics.jsonl holds, at the same
 steps, plus evaluations and anomalies; its config is the job's; a resumed job continues the same run without
-logging a step twice. The run files are read back as W&B wrote them (tests/wandb_files.py)."""
+logging a step twice. The run files are read back as W&B wrote them (tests/harness/wandb_files.py)."""
 
 import json
 import math
@@ -8,13 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
-from debug_training import DEBUG_TOML
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.train.trainer import Trainer
-from wandb_files import run_history
+
+from harness.debug_training import DEBUG_TOML
+from harness.nan_injection import nan_at
+from harness.wandb_files import run_history
 
 
 @pytest.fixture(autouse=True)
@@ -31,16 +32,6 @@ def build_trainer(folder: Path, steps: int) -> Trainer:
              "--training.steps", str(steps), "--validation.enable", "--validation.freq", "3", "--validation.steps",
              "1", "--training.on_nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "4"]
     return Trainer(load_job_config(flags, world_size=1), world_size=1)
-
-
-def nan_at_step_2(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> None:
-    real_loss = trainer.training.model.output_loss.logits_loss
-
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = real_loss(logits, labels)
-        return loss * float("nan") if trainer.step == 2 else loss
-
-    monkeypatch.setattr(trainer.training.model.output_loss, "logits_loss", loss_fn)
 
 
 def wandb_runs(folder: Path) -> list[tuple[str, dict, list[dict]]]:
@@ -62,7 +53,7 @@ def test_wandb_run_matches_the_metrics_and_a_resume_continues_it(tmp_path: Path,
     from step 4 (as if it had stopped before saving step 6) for 8 steps: the same run id, steps 7 and 8 added,
     steps 5 and 6 (trained again) not logged twice."""
     trainer = build_trainer(tmp_path, steps=6)
-    nan_at_step_2(trainer, monkeypatch)
+    nan_at(trainer, {2}, monkeypatch.setattr)
     trainer.run()
     [(run_id, config, rows)] = wandb_runs(tmp_path)
     assert run_id == trainer.run_id and config["training"]["steps"] == 6 and config["metrics"]["enable_wandb"]

@@ -62,7 +62,7 @@ def quantize(spec: float8_ref.Float8Spec, x: Tensor, block_size: int = 32) -> tu
 def dequantize(spec: float8_ref.Float8Spec, scale_codes: Tensor, element_codes: Tensor,
                block_size: int = 32) -> Tensor:
     """float64 values X * P_i; a NaN scale makes the whole block NaN (section 5.3)."""
-    scales = torch.tensor([math.nan if c == E8M0_NAN else 2.0 ** (c - E8M0_BIAS) for c in scale_codes.flatten().tolist()],
-                          dtype=torch.float64).view(scale_codes.shape)
+    scales = torch.tensor([math.nan if c == E8M0_NAN else 2.0 ** (c - E8M0_BIAS)
+                           for c in scale_codes.flatten().tolist()], dtype=torch.float64).view(scale_codes.shape)
     values = float8_ref.decode_codes(spec, element_codes)
     return values * scales.repeat_interleave(block_size, dim=-1)

@@ -5,9 +5,10 @@ from pathlib import Path
 from titan.config.check import load_job_config
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.train.trainer import Trainer
-from train_script import losses_of
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.train_script import losses_of
+
+ROOT = Path(__file__).resolve().parents[2]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
 NUM_LAYERS = LLAMA3_FLAVORS["debugmodel"].n_layers
 

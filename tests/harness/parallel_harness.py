@@ -1,7 +1,7 @@
 """Run a few Titan train steps under torchrun and save the losses and final full weights, for parity tests: every
-case of one world size in one launch (tests/torchrun.py run_cases).
+case of one world size in one launch (tests/harness/torchrun.py run_cases).
 
-    torchrun --nproc_per_node 2 tests/parallel_harness.py FOLDER CASES.json
+    torchrun --nproc_per_node 2 tests/harness/parallel_harness.py FOLDER CASES.json
 
 The whole pipeline is Titan's own (data, parallelize, init, loss, clipping, optimizer). A reference run for D
 data-parallel ranks of batch B is one process of batch B x D: the data order is global, so it trains on exactly
@@ -9,22 +9,26 @@ the global batches the D ranks see. Under FSDP it also saves what one more forwa
 each rank sent into all-gathers.
 """
 
+import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from titan.config.check import load_job_config  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
-from torchrun import finish_rank, run_each_case  # noqa: E402
+
+from harness.torchrun import finish_rank, run_each_case  # noqa: E402
 
 
 class AllGatherBytes(TorchDispatchMode):
@@ -55,9 +59,32 @@ def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
                                          if isinstance(module, Float8Linear))}
 
 
+def rank_0_metrics(trainer: Trainer) -> list[dict]:
+    """The records rank 0 wrote to metrics.jsonl (the only rank that writes it); empty on the other ranks."""
+    path = trainer.dump_folder / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.rank == 0 else []
+
+
+def replicated_over_tp(param: DTensor) -> bool:
+    names = param.device_mesh.mesh_dim_names or ()
+    return "tp" in names and isinstance(param.placements[names.index("tp")], Replicate)
+
+
+def replicated_by_tp_rank(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """Each tensor-parallel rank's own copy (its FSDP shard, if any) of every parameter that TP replicates (the
+    norms), in TP rank order: copies that must stay bit for bit the same, which the full state dict, taking one
+    rank's, cannot show."""
+    own = {name: param.to_local().detach().clone() for name, param in trainer.training.model.named_parameters()
+           if isinstance(param, DTensor) and replicated_over_tp(param)}
+    copies: list[dict] = [{} for _ in range(trainer.dims.tp)]
+    dist.all_gather_object(copies, own, group=trainer.training.meshes.tp.get_group())
+    return copies
+
+
 def run_case(flags: list[str], world_size: int) -> dict:
-    """The losses of the job `flags`, its final full weights, its validation loss and, under FSDP alone, what one
-    more forward put on the wire."""
+    """The losses of the job `flags`, its final full weights, its validation loss, rank 0's metrics records, under
+    TP each TP rank's copy of the replicated parameters and, under FSDP alone, what one more forward put on the
+    wire."""
     trainer = Trainer(load_job_config(flags, world_size), world_size)
     data = iter(trainer.dataloader)
     losses = []
@@ -65,7 +92,7 @@ def run_case(flags: list[str], world_size: int) -> dict:
         trainer.step += 1
         trainer.train_step(data)
         losses.append(trainer.finish_step().loss)
-    if world_size == 1:
+    if not trainer.dims.dp_enabled and world_size == 1:
         weights = {name: value.detach().cpu() for name, value in trainer.training.model.state_dict().items()}
     elif trainer.dims.pp_enabled:
         # Each pipeline rank holds its stages' weights: gather every rank's full tensors and merge them.
@@ -76,7 +103,9 @@ def run_case(flags: list[str], world_size: int) -> dict:
     else:
         weights = get_model_state_dict(trainer.training.model,
                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    result = {"losses": losses, "weights": weights}
+    result = {"losses": losses, "weights": weights, "metrics": rank_0_metrics(trainer)}
+    if trainer.dims.tp_enabled:
+        result["replicated_by_tp_rank"] = replicated_by_tp_rank(trainer)
     if trainer.validation_batches is not None:
         # Evaluation under the same layout: the held-out loss of the trained weights, the same on every layout.
         result["val_loss"] = trainer.run_validation().loss

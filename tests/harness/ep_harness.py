@@ -1,7 +1,7 @@
 """Expert parallel against one process's experts, on 2 gloo ranks: each rank routes its own tokens, the EP experts
 exchange them, and outputs and gradients must equal what the whole set of experts computes locally.
 
-    torchrun --nproc_per_node 2 tests/ep_harness.py RESULT.pt
+    torchrun --nproc_per_node 2 tests/harness/ep_harness.py RESULT.pt
 """
 
 import sys
@@ -11,11 +11,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 from titan.models.qwen3.moe import GroupedExperts  # noqa: E402
 from titan.parallel.ep import ExpertParallelExperts  # noqa: E402
-from torchrun import finish_rank  # noqa: E402
+
+from harness.torchrun import finish_rank  # noqa: E402
 
 NUM_EXPERTS, DIM, HIDDEN = 4, 8, 16
 # Tokens per expert of each rank, sorted by expert as MoE.forward hands them over. "empty": experts 1 and 2 get no

@@ -1,6 +1,7 @@
 """train.py with one thing done at the end of a chosen step on a chosen rank, for the preemption and hang tests.
 
-    TITAN_TEST_ACTION=STEP:RANK:ACTION python -m titan.launch --nproc_per_node 2 tests/stop_harness.py [titan flags]
+    TITAN_TEST_ACTION=STEP:RANK:ACTION python -m titan.launch --nproc_per_node 2 tests/harness/stop_harness.py \
+        [titan flags]
 
 ACTION is what rank RANK does right after its step STEP, before the step boundary:
     signal    send itself SIGTERM (the real handler and the real loop take it from there)
@@ -18,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
 import train  # noqa: E402
 from titan.exits import exit_process  # noqa: E402

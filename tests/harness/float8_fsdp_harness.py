@@ -1,7 +1,7 @@
 """Train small float8 models under FSDP2 on 2 gloo ranks, with and without the float8 all-gather, and save what
 tests/test_float8_fsdp.py compares.
 
-    torchrun --nproc_per_node 2 tests/float8_fsdp_harness.py OUT.pt CHECKPOINT_DIR
+    torchrun --nproc_per_node 2 tests/harness/float8_fsdp_harness.py OUT.pt CHECKPOINT_DIR
 
 Each variant builds the same model on meta, optionally wraps its Float8Linear weights for the float8 all-gather,
 shards it, materialises it with to_empty, runs nn.init on the wrapped shards, loads one full set of weights, then
@@ -22,15 +22,19 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
+from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.fsdp import (  # noqa: E402
-    Float8AllGatherWeight, apply_float8_all_gather, precompute_float8_scales,
+    Float8AllGatherWeight,
+    apply_float8_all_gather,
+    precompute_float8_scales,
 )
 from titan.quant.float8.gathered import Float8GatheredWeight  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
-from titan.parallel.dims import destroy_distributed  # noqa: E402
-from torchrun import finish_rank  # noqa: E402
+
+from harness.torchrun import finish_rank  # noqa: E402
 
 STEPS = 4
 BATCH = 16

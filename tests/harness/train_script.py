@@ -14,7 +14,7 @@ from pathlib import Path
 
 from titan.metrics.log import logger
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("titan_train_entry", ROOT / "train.py")
 TRAIN = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(TRAIN)

@@ -1,0 +1,43 @@
+"""Which layouts initialise their weights from a full copy of the model (titan/parallel/init.py needs_full_init):
+those whose own random init cannot give a single process's weights, on the GPU as on the CPU."""
+
+import pytest
+import torch
+from torch import nn
+
+from titan.models.llama import ModelArgs, Transformer, init_weights
+from titan.models.llama.args import LLAMA3_FLAVORS
+from titan.parallel.init import needs_full_init
+from titan.parallel.pp import StageModel
+
+ARGS: ModelArgs = LLAMA3_FLAVORS["debugmodel"]
+
+
+def seeded_init(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        init_weights(model)
+    return model
+
+
+def test_a_pipeline_stage_initialised_alone_draws_another_blocks_numbers() -> None:
+    """Why every pipeline run initialises from a full copy, on any device: the second stage (blocks 3-5 and the
+    output) initialised from the seed by itself draws, for block 3, the numbers a single process draws for the
+    embedding and block 0, so its weights are not the single process's."""
+    full = seeded_init(Transformer(ARGS))
+    stage = seeded_init(StageModel(ARGS, {str(i): Transformer(ARGS).layers[str(i)] for i in (3, 4, 5)},
+                                   norm=nn.RMSNorm(ARGS.dim), output=nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)))
+    assert not torch.equal(stage.layers["3"].attention.wq.weight, full.layers["3"].attention.wq.weight)
+
+
+@pytest.mark.parametrize("pipelined, cpu_offload, sharded, full_copy", [
+    (False, False, True, True),  # FSDP/TP: DTensor's RNG tracker draws other numbers than a single process
+    (True, False, False, True),  # a pipeline stage (issue 33: stages drew overlapping streams on CUDA)
+    (False, True, True, True),  # CPU offload: the shards are in host memory when they are initialised
+    (False, False, False, False),  # one process
+])
+def test_layouts_that_initialise_from_a_full_copy(pipelined: bool, cpu_offload: bool, sharded: bool, full_copy: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    model = nn.Linear(4, 4)
+    monkeypatch.setattr("titan.parallel.init.is_sharded", lambda module: sharded)
+    assert needs_full_init(model, pipelined, cpu_offload) == full_copy
