@@ -14,6 +14,7 @@ from torch.nn.attention import SDPBackend
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.dry_run import documented_world_size, dry_run_cli, main
+from titan.estimate import gpu_rank
 from titan.estimate.fake_cuda import cuda_refusal, sdpa_backend
 from titan.estimate.report import format_report
 from titan.estimate.simulate import DryRunResult, run_dry_run
@@ -93,6 +94,17 @@ def test_memory_savers_are_accounted() -> None:
     assert offloaded.total < plain.total
     assert offloaded.host >= plain.by_category["parameters"] + plain.by_category["optimizer state"]
     assert "host memory (CPU offload)" in format_report(offloaded_run, load_job_config(config, 2).estimate)
+
+
+def test_each_rank_is_a_child_of_one_serving_process() -> None:
+    """Ranks are simulated in children forked from one process per shim, which imported torch once: a later dry run
+    reuses it and reports what the first did."""
+    cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dry_run"], 2)
+    first = run_dry_run(cfg, 2, rank=0, simulate_gpu=False)
+    server = gpu_rank.SERVERS[""].process
+    second = run_dry_run(cfg, 2, rank=0, simulate_gpu=False)
+    assert gpu_rank.SERVERS[""].process is server and server.poll() is None
+    assert second.memory.total == first.memory.total and len(second.ops) == len(first.ops)
 
 
 def test_dry_run_keeps_attention_as_the_simulated_gpu_would() -> None:

@@ -10,10 +10,6 @@ trunc_normal_ is data-dependent, which fake tensors can't run); torch.compile is
 memory and time are the eager code's; tensors live on the CPU, which changes no shape, dtype or collective."""
 
 import contextlib
-import os
-import pickle
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +28,7 @@ from titan.data.tokenizer import build_tokenizer
 from titan.estimate.cuda_shim import build_cuda_shim
 from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.fake_cuda import simulated_gpu
+from titan.estimate.gpu_rank import simulate_in_child
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
@@ -187,14 +184,10 @@ def run_dry_run(cfg: JobConfig, world_size: int, rank: int, simulate_gpu: bool =
     gpu = simulated_accelerator(cfg.estimate.gpu) if simulate_gpu else None
     shim = str(build_cuda_shim()) if simulate_gpu else ""
     with tempfile.TemporaryDirectory(prefix="titan_dry_run_") as folder:
-        request, response = Path(folder) / "request.pkl", Path(folder) / "response.pkl"
-        request.write_bytes(pickle.dumps(RankRequest(cfg, world_size, rank, gpu)))
-        command = [sys.executable, "-m", "titan.estimate.gpu_rank", shim, str(request), str(response)]
-        code = subprocess.run(command, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, check=False).returncode
-        if not response.is_file():
-            raise SimulatedRankError(f"The process simulating rank {rank} ended with exit code {code} before "
-                                     f"reporting; its output above says why.")
-        outcome = pickle.loads(response.read_bytes())
+        outcome, code = simulate_in_child(shim, RankRequest(cfg, world_size, rank, gpu), Path(folder))
+    if outcome is None:
+        raise SimulatedRankError(f"The process simulating rank {rank} ended with exit code {code} before "
+                                 f"reporting; its output above says why.")
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
