@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.dry_run import documented_world_size, dry_run_cli, main
-from titan.estimate import gpu_rank
+from titan.estimate import rank_server
 from titan.estimate.fake_cuda import cuda_refusal, sdpa_backend
 from titan.estimate.report import format_report
 from titan.estimate.simulate import DryRunResult, run_dry_run
@@ -101,9 +101,9 @@ def test_each_rank_is_a_child_of_one_serving_process() -> None:
     reuses it and reports what the first did."""
     cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dry_run"], 2)
     first = run_dry_run(cfg, 2, rank=0, simulate_gpu=False)
-    server = gpu_rank.SERVERS[""].process
+    server = rank_server.SERVERS[""].process
     second = run_dry_run(cfg, 2, rank=0, simulate_gpu=False)
-    assert gpu_rank.SERVERS[""].process is server and server.poll() is None
+    assert rank_server.SERVERS[""].process is server and server.poll() is None
     assert second.memory.total == first.memory.total and len(second.ops) == len(first.ops)
 
 

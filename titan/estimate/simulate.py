@@ -28,7 +28,7 @@ from titan.data.tokenizer import build_tokenizer
 from titan.estimate.cuda_shim import build_cuda_shim
 from titan.estimate.data_cost import DataCost, measure_data_cost
 from titan.estimate.fake_cuda import simulated_gpu
-from titan.estimate.gpu_rank import simulate_in_child
+from titan.estimate.rank_server import simulate_in_child
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
