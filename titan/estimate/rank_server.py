@@ -34,6 +34,8 @@ def rank_server(shim: str) -> RankServer:
     """The process serving `shim`'s ranks, started if there is none or it has ended. It sees no real GPU."""
     server = SERVERS.get(shim)
     if server is None or server.process.poll() is not None:
+        if server is not None:  # ended on its own: its pipe's read end would otherwise stay open
+            server.done.close()
         read_fd, write_fd = os.pipe()
         process = subprocess.Popen([sys.executable, "-m", "titan.estimate.gpu_rank", shim], stdin=subprocess.PIPE,
                                    text=True, pass_fds=(write_fd,),
