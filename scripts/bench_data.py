@@ -141,14 +141,15 @@ ends with exit_process, which runs atexit handlers)."""
 
 
 def train_and_measure(store: Path, dump: Path, steps: int) -> dict:
-    """Max resident memory and the mean data wait of a debug-model run of `steps` steps on `store`."""
+    """Max resident memory and the mean data wait of a debug-model run of `steps` steps on `store`, each step
+    logged; the first step, whose wait includes starting the loader, is left out."""
     rss_file = dump.parent / f"{dump.name}.rss"
     subprocess.run([sys.executable, "-c", RSS_WRAPPER, str(rss_file), str(ROOT / "train.py"), "--job.config_file",
                     str(ROOT / "configs/debug_model.toml"), "--job.dump_folder", str(dump), "--training.dataset",
                     "prepared", "--training.dataset_path", str(store), "--training.steps", str(steps),
-                    "--metrics.log_freq", "5"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                    "--metrics.log_freq", "1"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r["step"] > 5 and "data_wait_pct" in r]
+    timed = [r for r in records if r["step"] > 1 and "data_wait_pct" in r]
     return {"data_wait_pct": statistics.mean(r["data_wait_pct"] for r in timed),
             "max_rss_mb": json.loads(rss_file.read_text())}
 
@@ -173,6 +174,8 @@ def main() -> None:
     parser.add_argument("--memory-gb", type=float, default=4.0, help="size of the large generated store")
     parser.add_argument("--steps", type=int, default=30, help="training steps per --memory run")
     args = parser.parse_args()
+    if args.memory and args.steps < 2:
+        parser.error(f"--steps {args.steps}: --memory times the steps after the first, so it needs at least 2")
     init_logger()
     if args.per_rank:
         per_rank_table()

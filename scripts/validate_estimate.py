@@ -67,7 +67,8 @@ FULL_AC_RECOMPUTING_ALL = ("--activation_checkpoint.save_attention", "false")
 
 def cpu_cases() -> list[Case]:
     """Small shapes that still run every part: 2 x 512 tokens; the debug model in float32 (its config's), the
-    ~100M-parameter flavor in bf16 autocast (FSDP gathering bf16)."""
+    ~100M-parameter flavor in bf16 autocast (FSDP gathering bf16), and the debug model in bf16 autocast with
+    selective AC (the suite's bf16 case: seconds, where the 100M flavor's steps take minutes without native bf16)."""
     shape = ("--training.local_batch_size", "2", "--training.seq_len", "512")
     cases = []
     for model, flavor, dtype in (("debug", "debugmodel", "float32"), ("100M", "100M", "bfloat16")):
@@ -76,6 +77,9 @@ def cpu_cases() -> list[Case]:
             cases.append(Case(f"{model}-ac-{mode}", 1, (*base, "--activation_checkpoint.mode", mode, *extra)))
         cases.append(Case(f"{model}-fsdp2", 2, (*base, "--parallelism.data_parallel_shard_degree", "2")))
         cases.append(Case(f"{model}-tp2", 2, (*base, "--parallelism.tensor_parallel_degree", "2")))
+    cases.append(Case("debug-bf16-ac-selective", 1, ("--model.flavor", "debugmodel", "--training.mixed_precision_param",
+                                                     "bfloat16", *shape, "--activation_checkpoint.mode",
+                                                     "selective")))
     return cases
 
 

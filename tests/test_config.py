@@ -100,10 +100,18 @@ def test_cli_wrong_type_and_unknown_flag_exit_2(capsys: pytest.CaptureFixture) -
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--training.steps", "ten"])
     assert exit_info.value.code == 2
-    with pytest.raises(SystemExit) as exit_info:
-        parse_args(["--training.stepz", "10"])
-    assert exit_info.value.code == 2
     assert "--training.steps" in capsys.readouterr().err
+
+
+def test_unknown_flags_are_named_with_the_nearest_by_edit_distance() -> None:
+    """Every unknown flag in one error, each with the valid flag nearest by edit distance: `--training.step` gets
+    --training.steps, not --training.max_skipped_steps (difflib's ratio ranked that first)."""
+    with pytest.raises(ConfigError) as raised:
+        parse_args(["--training.step", "10", "--training.compile=false", "--model.flavr", "1B", "--fp8.x", "1"])
+    assert raised.value.problems == [
+        "--training.step is not a Titan flag. Did you mean --training.steps?",
+        "--model.flavr is not a Titan flag. Did you mean --model.flavor?",
+        "--fp8.x is not a Titan flag. See ./run_train.sh --help for every field."]
 
 
 def test_help_lists_every_field_with_its_doc(capsys: pytest.CaptureFixture) -> None:

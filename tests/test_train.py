@@ -4,6 +4,7 @@ import gc
 import json
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +15,10 @@ from torch._dynamo.utils import counters
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan.checkpoint.dcp import Checkpointer
 from titan.config.check import load_job_config
 from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_error, stop_hints
+from titan.train.step import TrainingStep
 from titan.train.trainer import Trainer
 
 from harness.debug_training import NUM_LAYERS
@@ -55,6 +58,95 @@ def test_metrics_records_and_written_config(tmp_path: Path) -> None:
         assert record["tps"] > 0 and math.isfinite(record["loss"])
     again = load_job_config(["--job.config_file", str(tmp_path / "config.toml")], world_size=1)
     assert again.training.steps == 4 and again.training.seq_len == 64 and again.job.dump_folder == str(tmp_path)
+
+
+class StepWallClock:
+    """Wall-clock times of a run's steps, taken around the trainer's own calls: when each run's loop started, when
+    each step's work ended (its update queued, which on CPU means done), how long each save and evaluation took, and
+    how long each step took to get its batches (from drawing them to the first forward). Slows the step loop where
+    asked: `slow_steps` maps a step to extra seconds of compute, `slow_data` to extra seconds of waiting for data."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, slow_steps: dict[int, float], slow_data: dict[int, float]):
+        self.loop_started: dict[int, float] = {}
+        """When each run's loop began, by the run's first step."""
+        self.ended: dict[int, float] = {}
+        self.set_aside: dict[int, float] = {}
+        """Seconds of saves and evaluations after each step."""
+        self.data_wait: dict[int, float] = {}
+        self.drawing: tuple[int, float] = (0, 0.0)
+        """(the step whose batches are being drawn, since when)."""
+        clock = self
+        original_run, original_queue_gradients = Trainer.run, Trainer.queue_gradients
+        original_next_batch, original_compute_gradients = Trainer.next_batch, TrainingStep.compute_gradients
+        original_queue_update = Trainer.queue_update
+
+        def run(trainer: Trainer) -> None:
+            clock.loop_started[trainer.first_step] = time.perf_counter()
+            original_run(trainer)
+
+        def queue_gradients(trainer: Trainer, data: Iterator) -> object:
+            clock.drawing = (trainer.step, time.perf_counter())
+            return original_queue_gradients(trainer, data)
+
+        def next_batch(trainer: Trainer, data: Iterator) -> object:
+            time.sleep(slow_data.get(trainer.step, 0.0))
+            return original_next_batch(trainer, data)
+
+        def compute_gradients(training: TrainingStep, micro_batches: list) -> object:
+            step, since = clock.drawing
+            clock.data_wait[step] = time.perf_counter() - since
+            time.sleep(0.1 + slow_steps.get(step, 0.0))
+            return original_compute_gradients(training, micro_batches)
+
+        def queue_update(trainer: Trainer, queued: object) -> None:
+            original_queue_update(trainer, queued)
+            clock.ended[queued.step] = time.perf_counter()
+
+        def set_aside(original: object, step_of: object) -> object:
+            def timed(owner: object, *args: object, **kwargs: object) -> object:
+                start = time.perf_counter()
+                result = original(owner, *args, **kwargs)
+                step = step_of(owner, *args)
+                clock.set_aside[step] = clock.set_aside.get(step, 0.0) + time.perf_counter() - start
+                return result
+            return timed
+
+        monkeypatch.setattr(Trainer, "run", run)
+        monkeypatch.setattr(Trainer, "queue_gradients", queue_gradients)
+        monkeypatch.setattr(Trainer, "next_batch", next_batch)
+        monkeypatch.setattr(TrainingStep, "compute_gradients", compute_gradients)
+        monkeypatch.setattr(Trainer, "queue_update", queue_update)
+        monkeypatch.setattr(Trainer, "validate", set_aside(Trainer.validate, lambda trainer: trainer.step))
+        monkeypatch.setattr(Checkpointer, "save", set_aside(Checkpointer.save, lambda _, state, **kw: state.step))
+
+    def step_seconds(self, step: int) -> float:
+        """From the end of the step before (or, for a run's first step, the start of the run's loop) to the end of
+        this step's work, without the saves and evaluations in between."""
+        if step in self.loop_started:
+            return self.ended[step] - self.loop_started[step]
+        return self.ended[step] - self.ended[step - 1] - self.set_aside.get(step - 1, 0.0)
+
+
+def test_each_logged_step_time_matches_a_wall_clock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every logged step's time, tokens/s and data wait are its own, within 10% of a wall clock around its work:
+    with --metrics.log_freq 1 a step slowed by 0.6 s (2), one that waits 0.3 s for data (4), a checkpoint step (3)
+    and an evaluation (4), both read at once, and the last step (5); then a resume to step 7 with --metrics.log_freq
+    10 logs its first step (6) and its last (7). The meter once timed a step from one loss read to the next, which
+    gave such steps a window of about zero (tps 71,559 on 2 cores) and the next one too much."""
+    clock = StepWallClock(monkeypatch, slow_steps={2: 0.6}, slow_data={4: 0.3})
+    flags = ["--checkpoint.enable", "--checkpoint.interval", "3", "--validation.enable", "--validation.freq", "4",
+             "--validation.steps", "2", "--lr_scheduler.warmup_steps", "2"]
+    build_trainer(tmp_path, "--training.steps", "5", *flags).run()
+    build_trainer(tmp_path, "--training.steps", "7", *flags, "--metrics.log_freq", "10").run()
+    records = [r for r in read_metrics(tmp_path) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 7]
+    tokens_per_step = 4 * 64
+    for record in records:
+        step, wall = record["step"], clock.step_seconds(record["step"])
+        assert record["step_time_min_s"] == record["step_time_max_s"] == pytest.approx(wall, rel=0.1), (step, wall)
+        assert record["tps"] == pytest.approx(tokens_per_step / wall, rel=0.1), step
+        assert record["data_wait_pct"] == pytest.approx(100 * clock.data_wait[step] / wall, rel=0.1, abs=0.5), step
+    assert clock.step_seconds(2) > 0.7 and clock.data_wait[4] > 0.3
 
 
 def test_same_seed_same_losses(tmp_path: Path) -> None:

@@ -13,8 +13,11 @@ from pathlib import Path
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
+from titan.config.load import parse_args
 from titan.exits import run_main
 from titan.metrics.log import init_logger, logger
+
+PROGRAM = "python -m titan.dry_run --world_size N [--rank R ...]"
 
 
 def documented_world_size(config: Path) -> int:
@@ -59,6 +62,10 @@ def main(argv: list[str]) -> int:
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world_size", type=int, required=True, help="Ranks of the simulated job (GPUs).")
     parser.add_argument("--rank", type=int, action="append", help="A rank to simulate; repeat for more.")
+    if any(arg in ("-h", "--help") for arg in argv):
+        parser.print_help()
+        print("\nTitan's fields:\n")
+        parse_args(["--help"], program=PROGRAM)  # prints them and exits 0
     known, titan_args = parser.parse_known_args(argv)
     return run_main(lambda: dry_run_cli(titan_args, known.world_size, known.rank))
 

@@ -27,6 +27,7 @@ from torch.distributed.run import determine_local_world_size, get_args_parser, r
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.load import parse_args as parse_titan_args
+from titan.config.print_config import print_config
 from titan.dry_run import dry_run
 from titan.exits import KNOWN_EXIT_CODES, STOP_SIGNALS, run_main
 from titan.metrics.log import init_logger, logger, logging_ranks
@@ -131,6 +132,9 @@ def launch(argv: list[str]) -> int:
     world_size = nodes * per_node
     check_log_ranks(world_size)
     cfg = load_job_config(args.training_script_args, world_size)
+    if cfg.job.print_config:
+        print_config(cfg, world_size)  # no ranks: nothing runs
+        return 0
     if cfg.job.dry_run:
         # No torchrun, whatever NGPU is: the job's first and last rank are simulated one after the other, each in a
         # process of its own (titan/estimate/gpu_rank.py).

@@ -47,7 +47,11 @@ def run_train_here(*args: str) -> subprocess.CompletedProcess:
     and `args`, without the start-up of the launcher, torchrun and a worker (seconds each), which add nothing to one
     process's run. stdout holds every message the run logged, with the traceback of any record that carries one, as
     a rank prints them."""
-    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), *args]
+    return run_train_argv(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), *args])
+
+
+def run_train_argv(argv: list[str]) -> subprocess.CompletedProcess:
+    """train.py's main() on `argv` in this process, as run_train_here runs it (no default config file)."""
     with titan_log() as records:
         code = TRAIN.main(argv)
     formatter = logging.Formatter("%(message)s")

@@ -35,7 +35,8 @@ class Job:
     description: str = "Titan training job"
     """Free text naming the job; printed at startup and saved with the config."""
     print_config: bool = False
-    """Print the resolved config (as TOML) at startup. It is always written to <dump_folder>/config.toml."""
+    """Print the resolved config as TOML and exit, building and training nothing; on any machine: what this one lacks
+    to run the job (files, a GPU) follows as warnings. A run always writes it to <dump_folder>/config.toml."""
     time_limit: str | None = None
     """Wall-clock budget of this run from the trainer's start, e.g. 3h50m, 90m or 45s (set it a little under the
     scheduler's limit). When the next step would cross it (from the measured step time and the last save's duration),
@@ -426,7 +427,8 @@ class Checkpoint:
     initial_load_model_only: bool = True
     """From --checkpoint.initial_load_path load the weights only (a fresh optimizer, schedule and data order)."""
     initial_load_in_hf: bool = False
-    """--checkpoint.initial_load_path is a Hugging Face Llama folder (config.json + safetensors)."""
+    """--checkpoint.initial_load_path is a Hugging Face model folder of --model.name's family (config.json +
+    safetensors: LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM)."""
     exclude_from_loading: list[str] = field(default_factory=list)
     """Parts of a checkpoint not to restore on resume: any of model, optimizer, lr_scheduler, dataloader,
     train_state, rng (e.g. `dataloader` to restart the data with a new dataset)."""
@@ -434,9 +436,10 @@ class Checkpoint:
     """Make the checkpoint of the last step a weights-only export in --checkpoint.export_dtype (smaller, but a
     run cannot be extended from it)."""
     last_save_in_hf: bool = False
-    """Write the checkpoint of the last step as a Hugging Face Llama folder instead (safetensors shards with their
+    """Write the checkpoint of the last step as a Hugging Face model folder instead (safetensors shards with their
     index, config.json and the tokenizer, in --checkpoint.export_dtype), straight from the sharded model: it loads
-    with transformers' LlamaForCausalLM.from_pretrained. Weights only, so a run cannot be extended from it. With
+    with transformers' from_pretrained as the family's class (LlamaForCausalLM, Qwen3ForCausalLM or
+    Qwen3MoeForCausalLM). Weights only, so a run cannot be extended from it. With
     a URL --checkpoint.folder the folder is assembled under --job.dump_folder/checkpoint_staging, then uploaded."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights in a --checkpoint.last_save_model_only or --checkpoint.last_save_in_hf export."""

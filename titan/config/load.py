@@ -1,17 +1,19 @@
 """Build a JobConfig from defaults, then the TOML job file, then command-line flags (tyro)."""
 
+import ast
 import dataclasses
-import difflib
+import inspect
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import tyro
 
 from titan.config.errors import ConfigError
-from titan.config.job import JobConfig
+from titan.config.job import JobConfig, Model
 from titan.config.mixture import format_mixture_entry
 
 if sys.version_info >= (3, 11):
@@ -26,13 +28,43 @@ PROGRAM = "./run_train.sh"
 SWITCH_VALUES = {"true": True, "false": False}
 
 
-def parse_args(argv: list[str]) -> JobConfig:
+def field_docstrings(section: type) -> dict[str, str]:
+    """Each field's docstring (the string right after its annotated assignment) in `section`'s source, cleaned."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
+def flowing(doc: str) -> str:
+    """`doc` with its line breaks inside paragraphs removed, so that --help wraps it to the terminal's width."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in doc.split("\n\n"))
+
+
+def flow_field_help(config: type) -> None:
+    """Hand tyro every section field's docstring as flowing paragraphs (tyro.conf.arg(help=...)). From the
+    docstring itself, tyro keeps each line break before an indented line, which is every continuation line of a
+    field docstring, so --help wrapped them raggedly."""
+    for section in dataclasses.fields(config):
+        annotations = section.type.__annotations__
+        for name, doc in field_docstrings(section.type).items():
+            annotations[name] = Annotated[annotations[name], tyro.conf.arg(help=flowing(doc))]
+
+
+flow_field_help(JobConfig)
+
+
+def parse_args(argv: list[str], program: str = PROGRAM) -> JobConfig:
     """Parse `argv` (without the program name) into a JobConfig. User mistakes raise ConfigError;
-    tyro itself reports unknown flags and badly typed flag values, with exit code 2."""
+    tyro itself reports unknown flags and badly typed flag values, with exit code 2. `program` heads --help."""
+    if not any(arg in ("-h", "--help") for arg in argv):
+        check_flag_names(argv)
     config_file = find_config_file(argv)
     base = load_toml(Path(config_file)) if config_file else JobConfig()
-    cfg = tyro.cli(JobConfig, args=switches_without_values(argv), default=base, use_underscores=True, prog=PROGRAM,
-                   description="Titan: train Llama models. Flags override the TOML file in --job.config_file.")
+    families = ", ".join(typing.get_args(typing.get_type_hints(Model)["name"]))
+    cfg = tyro.cli(JobConfig, args=switches_without_values(argv), default=base, use_underscores=True, prog=program,
+                   description=f"Titan: pretrain LLMs of the families {families} (--model.name). Flags override the "
+                               f"TOML file in --job.config_file.")
     split_comma_lists(cfg)
     return cfg
 
@@ -200,13 +232,49 @@ def convert_value(value: Any, hint: Any) -> tuple[Any, str | None]:
     raise TypeError(f"JobConfig field type {hint} has no TOML conversion")
 
 
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions from a to b."""
+    previous = list(range(len(b) + 1))
+    for i, char_a in enumerate(a, 1):
+        current = [i]
+        for j, char_b in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def closest(name: str, valid: typing.Iterable[str]) -> list[str]:
+    """The valid names nearest to `name` by edit distance (several when they tie), if within a third of its length:
+    the typo `--training.step` gets --training.steps, not a longer name that merely shares its letters."""
+    scored = [(edit_distance(name, candidate), candidate) for candidate in valid]
+    best = min((distance for distance, _ in scored), default=0)
+    return sorted(candidate for distance, candidate in scored if distance == best <= max(2, len(name) // 3))
+
+
 def suggest(name: str, valid: typing.Iterable[str]) -> str:
-    """' Did you mean X?' for the closest valid name, or a list of valid names."""
+    """' Did you mean X?' for the nearest valid name, or a list of valid names."""
     valid = list(valid)
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-    if close:
-        return f". Did you mean {close[0]!r}?"
+    near = closest(name, valid)
+    if near:
+        return f". Did you mean {near[0]!r}?"
     return f". Valid names: {', '.join(valid)}."
+
+
+def check_flag_names(argv: list[str]) -> None:
+    """Raise one ConfigError naming every `--section.field` flag that is not Titan's, with the nearest ones."""
+    known = {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
+             for name in typing.get_type_hints(section.type)}
+    known |= {negated(flag) for flag in switch_flags()}
+    problems = []
+    for arg in argv:
+        flag = arg.partition("=")[0]
+        if not flag.startswith("--") or flag.replace("-", "_").replace("__", "--", 1) in known:
+            continue
+        near = closest(flag, known)
+        hint = f" Did you mean {' or '.join(near)}?" if near else " See ./run_train.sh --help for every field."
+        problems.append(f"{flag} is not a Titan flag.{hint}")
+    if problems:
+        raise ConfigError(problems)
 
 
 def split_comma_lists(cfg: JobConfig) -> None:

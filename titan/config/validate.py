@@ -167,8 +167,9 @@ def parameter_fqns(cfg: JobConfig) -> list[str]:
 
 
 def about_this_machine(rule: Rule) -> Rule:
-    """Mark a rule that checks this machine's files: a dry run (--job.dry_run) reads no files, so validate() skips
-    these rules for it. Rules about the GPU are HARDWARE_RULES, which check the GPU the dry run simulates."""
+    """Mark a rule that checks this machine's files or packages, not the config: a dry run (--job.dry_run) reads no
+    files, so validate() skips these rules for it, and --job.print_config shows what they find as warnings. Rules
+    about the GPU are HARDWARE_RULES, which check the GPU the dry run simulates."""
     rule.about_this_machine = True  # type: ignore[attr-defined]
     return rule
 
@@ -216,6 +217,22 @@ def path_matches(path: str) -> bool:
     return resolve_path(path).exists() or bool(glob.glob(path))
 
 
+@about_this_machine
+def check_mixture_paths(cfg: JobConfig, world_size: int) -> list[str]:
+    problems = []
+    for text in cfg.training.mixture:
+        try:
+            entry = parse_mixture_entry(text)
+        except ValueError:
+            continue  # check_mixture reports it
+        if entry.dataset == "hf" and not resolve_path(str(entry.path)).is_dir():
+            problems.append(hub_dataset_problem("--training.mixture", "entry", str(entry.path)))
+        elif entry.path is not None and not path_matches(entry.path):
+            problems.append(f"--training.mixture entry {text!r} has path {entry.path!r}, which matches no file or "
+                            f"folder. Check the path or glob.")
+    return problems
+
+
 def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
     t = cfg.training
     problems = []
@@ -226,11 +243,6 @@ def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
         except ValueError as bad:
             problems.append(f"--training.mixture entry {text!r} {bad}")
             continue
-        if entry.dataset == "hf" and not resolve_path(str(entry.path)).is_dir():
-            problems.append(hub_dataset_problem("--training.mixture", "entry", str(entry.path)))
-        elif entry.path is not None and not path_matches(entry.path):
-            problems.append(f"--training.mixture entry {text!r} has path {entry.path!r}, which matches no file or "
-                            f"folder. Check the path or glob.")
         if entry.source in sources:
             problems.append(f"--training.mixture lists {entry.source} twice. Give each source once, with the sum of "
                             f"its weights.")
@@ -292,6 +304,7 @@ def check_lr_multipliers(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
+@about_this_machine
 def check_wandb_installed(cfg: JobConfig, world_size: int) -> str | None:
     if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:
         return ("--metrics.enable_wandb needs the wandb package, an optional extra: pip install -e \".[wandb]\" (or "
@@ -716,7 +729,8 @@ RULES: tuple[Rule, ...] = (
     check_wandb_installed, check_degree_product, check_pipeline_split_points,
     check_pipeline_stages, check_pipeline_microbatches, check_context_parallel, check_tensor_parallel_shapes,
     check_selective_ac_option, check_float8_all_gather, check_checkpoint, check_spike_rollback, check_time_limit,
-    check_mixture, check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len,
+    check_mixture, check_mixture_paths, check_validation_dataset_path, check_validation_pipeline,
+    check_validation_seq_len,
 )
 HARDWARE_RULES: tuple[HardwareRule, ...] = (
     check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,
@@ -727,21 +741,35 @@ HARDWARE_RULES: tuple[HardwareRule, ...] = (
 def validate(cfg: JobConfig, world_size: int, accelerator: Accelerator | None = None) -> None:
     """Raise one ConfigError listing every problem in `cfg` for a run of `world_size` processes on `accelerator`
     (default: the one the config targets, target_accelerator: the simulated --estimate.gpu for a dry run, else this
-    machine's GPU or CPU)."""
+    machine's GPU or CPU). With --job.print_config only the config's own problems raise: the job is printed, not
+    run, and this machine's problems follow it as warnings (titan/config/print_config.py)."""
+    problems, on_this_machine = find_problems(cfg, world_size, accelerator)
+    if not cfg.job.print_config:
+        problems += on_this_machine
+    if problems:
+        raise ConfigError(problems)
+
+
+def find_problems(cfg: JobConfig, world_size: int, accelerator: Accelerator | None = None
+                  ) -> tuple[list[str], list[str]]:
+    """(the config's own problems, those of running it on this machine: files and packages it lacks, and what its
+    GPU or CPU can't do). A dry run reads no files, and the GPU it simulates is part of its config."""
     if accelerator is None:
         accelerator = target_accelerator(cfg.job.dry_run, cfg.estimate.gpu)
     problems, bad_fields = check_domains(cfg)
+    on_this_machine: list[str] = []
     for rule in RULES:
         if bad_fields.intersection(getattr(rule, "needs_in_range", ())):
             continue
-        if cfg.job.dry_run and getattr(rule, "about_this_machine", False):
-            continue
-        problems += found_problems(rule(cfg, world_size))
+        if not getattr(rule, "about_this_machine", False):
+            problems += found_problems(rule(cfg, world_size))
+        elif not cfg.job.dry_run:
+            on_this_machine += found_problems(rule(cfg, world_size))
     for hardware_rule in HARDWARE_RULES:
         if not bad_fields.intersection(getattr(hardware_rule, "needs_in_range", ())):
-            problems += found_problems(hardware_rule(cfg, accelerator))
-    if problems:
-        raise ConfigError(problems)
+            found = found_problems(hardware_rule(cfg, accelerator))
+            (problems if cfg.job.dry_run else on_this_machine).extend(found)
+    return problems, on_this_machine
 
 
 def found_problems(found: str | list[str] | None) -> list[str]:

@@ -13,8 +13,9 @@ from titan.metrics.log import logger
 Record = dict[str, float | int | dict[str, int] | dict[str, list[int]] | None]
 
 # Every record has these keys, in this order; a None value means "not measurable here" (MFU on CPU). Rates are over
-# the steps since the previous record; step_time_min_s/max_s are the logged step's time on the fastest and the
-# slowest rank (a straggler shows as a wide range); gc_pause_s is the time spent in scheduled garbage collections
+# the steps since the previous record, each step timed from the end of the one before to the end of its own work on
+# the device, evaluations and saves left out; step_time_min_s/max_s are those steps' mean time on the fastest and
+# the slowest rank (a straggler shows as a wide range); gc_pause_s is the time spent in scheduled garbage collections
 # (--training.gc_freq) since the previous record; tokens_by_source is the input tokens drawn from each source of a
 # --training.mixture since the run began (None for a single source). A mixture of experts adds its load over the
 # logged step (titan/train/expert_balance.py; None for dense models): moe_imbalance, the most loaded expert's tokens

@@ -4,6 +4,7 @@ import re
 import resource
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -93,43 +94,93 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+Mark = float | torch.cuda.Event
+"""When a step's work ended: the host clock on CPU, where the work is done once it is queued; a timing event queued
+behind the work on a GPU, where the host runs ahead of it."""
+
+
+def mark_now(device: torch.device) -> Mark:
+    """A mark behind everything queued so far on `device`."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def seconds_between(start: Mark, end: Mark) -> float:
+    """Seconds from mark `start` to mark `end` (waiting for `end`'s work on a GPU, which is done by the time a
+    step's loss has been read: its mark is queued right behind the loss's copy)."""
+    if isinstance(end, torch.cuda.Event):
+        end.synchronize()
+        return start.elapsed_time(end) / 1000  # milliseconds
+    return end - start
+
+
+@dataclass(frozen=True)
+class QueuedStepWork:
+    """A step's tokens on this device, its data wait, and the mark behind its work."""
+
+    tokens: float
+    data_wait_seconds: float
+    end: Mark
+
+
 class ThroughputMeter:
-    """Counts tokens, wall time and data-loading wait between two log steps on this device."""
+    """Tokens, time and data wait of the steps between two logged steps on this device.
+
+    Each step's time runs from the end of the step before it to the end of its own work on the device, marked when
+    its update is queued. The host reads a step's loss a step later, or at once before a save, an evaluation and
+    at the last step; the marks do not depend on when that happens, so each logged step gets its own time. Time
+    spent outside training steps (evaluations, saves) is excluded."""
 
     def __init__(self, flops_per_token: int, device: torch.device, total_steps: int) -> None:
         self.flops_per_token = flops_per_token
         self.device = device
         self.peak = peak_flops(device)
         self.total_steps = total_steps
-        self.window_start = time.perf_counter()
-        self.tokens = 0
-        self.data_wait_seconds = 0.0
+        self.window_start: Mark = mark_now(device)
+        self.queued: dict[int, QueuedStepWork] = {}
+        self.excluded_seconds = 0.0
 
-    def add_step(self, tokens: int, data_wait_seconds: float) -> None:
-        """Record one optimizer step's tokens (on this device) and the time spent waiting for its data."""
-        self.tokens += tokens
-        self.data_wait_seconds += data_wait_seconds
+    def start(self) -> None:
+        """Open a window now: before the first step of a run, and after a rollback (whose reload is not training).
+        Steps queued before are forgotten."""
+        self.window_start = mark_now(self.device)
+        self.queued.clear()
+        self.excluded_seconds = 0.0
+
+    def step_queued(self, step: int, tokens: float, data_wait_seconds: float) -> None:
+        """Step `step`'s work (its tokens on this device, after waiting `data_wait_seconds` for its batches) is
+        queued on the device: mark its end."""
+        self.queued[step] = QueuedStepWork(tokens, data_wait_seconds, mark_now(self.device))
 
     def exclude(self, seconds: float) -> None:
-        """Leave `seconds` of work that is not training (an evaluation) out of the current window's rates."""
-        self.window_start += seconds
+        """Leave `seconds` of work that is not training (an evaluation, a save), done since the last step was
+        queued, out of the next window's rates."""
+        self.excluded_seconds += seconds
 
-    def window(self, step: int, steps_in_window: int) -> dict[str, float | None]:
-        """Rates since the previous call (tps, tflops, mfu_pct, mem_gib, data_wait_pct, eta_s); then reset."""
-        elapsed = max(time.perf_counter() - self.window_start, 1e-9)
-        tps = self.tokens / elapsed
-        seconds_per_step = elapsed / max(steps_in_window, 1)
+    def window(self, step: int) -> dict[str, float | None]:
+        """Rates over the steps queued since the last window, up to `step`, whose loss has been read (tps, tflops,
+        mfu_pct, mem_gib, mem_reserved_gib, data_wait_pct, eta_s, step_s: seconds per step); `step` ends the
+        window and starts the next."""
+        steps = sorted(s for s in self.queued if s <= step)
+        assert steps and steps[-1] == step, f"step {step} is not queued (queued: {sorted(self.queued)})"
+        work = [self.queued.pop(s) for s in steps]
+        end = work[-1].end
+        elapsed = max(seconds_between(self.window_start, end) - self.excluded_seconds, 1e-9)
+        tps = sum(w.tokens for w in work) / elapsed
+        seconds_per_step = elapsed / len(work)
         rates = {
             "tps": tps,
             "tflops": achieved_tflops(self.flops_per_token, tps),
             "mfu_pct": mfu_percent(self.flops_per_token, tps, self.peak),
             "mem_gib": memory_gib(self.device),
             "mem_reserved_gib": reserved_gib(self.device),
-            "data_wait_pct": 100.0 * self.data_wait_seconds / elapsed,
+            "data_wait_pct": 100.0 * sum(w.data_wait_seconds for w in work) / elapsed,
             "eta_s": seconds_per_step * (self.total_steps - step),
+            "step_s": seconds_per_step,
         }
         reset_peak_memory(self.device)
-        self.window_start = time.perf_counter()
-        self.tokens = 0
-        self.data_wait_seconds = 0.0
+        self.window_start, self.excluded_seconds = end, 0.0
         return rates

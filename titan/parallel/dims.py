@@ -117,12 +117,13 @@ def has_nccl(backend: str) -> bool:
 
 
 def flight_recorder_env(comm: Comm, dump_folder: Path) -> dict[str, str]:
-    """torch's flight-recorder settings for --comm.trace_buf_size and --comm.save_traces_folder, each under its
-    current name (TORCH_FR_*) and its older NCCL one, since torch 2.11 to 2.13 read one or the other. NCCL also
-    dumps by itself when one of its collectives times out, which is what a hang before the watchdog watches (setup
-    and the first step) ends in, to rank_<r> in the traces folder."""
-    size = str(comm.trace_buf_size)
-    env = {"TORCH_FR_BUFFER_SIZE": size, "TORCH_NCCL_TRACE_BUFFER_SIZE": size}
+    """torch's flight-recorder settings for --comm.trace_buf_size and --comm.save_traces_folder. torch 2.11 to 2.13
+    read the buffer size as TORCH_FR_BUFFER_SIZE, and warn from every rank that the older name
+    TORCH_NCCL_TRACE_BUFFER_SIZE is deprecated if it is set, so only the new name is. The dump file's prefix goes
+    under both names, which those versions read without a warning. NCCL also dumps by itself when one of its
+    collectives times out, which is what a hang before the watchdog watches (setup and the first step) ends in, to
+    rank_<r> in the traces folder."""
+    env = {"TORCH_FR_BUFFER_SIZE": str(comm.trace_buf_size)}
     if comm.trace_buf_size > 0:
         prefix = str(dump_folder / comm.save_traces_folder / "rank_")
         env.update(TORCH_NCCL_DUMP_ON_TIMEOUT="1", TORCH_NCCL_DEBUG_INFO_TEMP_FILE=prefix,

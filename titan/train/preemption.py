@@ -166,12 +166,6 @@ class Stopper:
                     f"({format_duration(now - self.started)} used; a step takes about {next_step:.1f}s{saves})")
         return None
 
-    @property
-    def step_times(self) -> dict[str, float]:
-        """The last step's time on the fastest and the slowest rank, for the metrics record."""
-        fastest, slowest = self.step_time_range
-        return {"step_time_min_s": fastest, "step_time_max_s": slowest}
-
     def signal_code(self) -> float:
         """0, or which signal reached which rank, as one number that a MAX over ranks keeps whole."""
         if self.signals.signum is None:

@@ -36,10 +36,7 @@ def write_config(cfg: JobConfig, dump_folder: Path) -> None:
     """Save the resolved config so `--job.config_file <dump_folder>/config.toml` reruns this job. Written only once
     the job has started, so an attempt that fails to start (a bad resume, say) never replaces a run's record."""
     dump_folder.mkdir(parents=True, exist_ok=True)
-    text = to_toml(cfg)
-    (dump_folder / "config.toml").write_text(text)
-    if cfg.job.print_config:
-        logger.info(f"Resolved config:\n{text}")
+    (dump_folder / "config.toml").write_text(to_toml(cfg))
 
 
 @dataclass(frozen=True)
@@ -117,7 +114,8 @@ class Trainer:
         self.tokens_seen = resumed.tokens_seen
         self.current_lr = cfg.optimizer.lr
         self.pending: PendingStep | None = None
-        self.last_logged = self.step
+        self.first_step = self.step + 1
+        """This run's first step, always logged (after a resume as well)."""
 
     def run(self) -> None:
         """Train from the resumed step to --training.steps, logging every --metrics.log_freq and saving every
@@ -139,6 +137,7 @@ class Trainer:
         with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler, \
                 self.stopper.watching(self.training.meshes), self.collector:
             try:
+                self.meter.start()
                 while self.step < total:
                     self.step += 1
                     self.stopper.start_step(self.step)
@@ -200,6 +199,7 @@ class Trainer:
         group = training.optimizer.param_groups[0]
         self.current_lr = group["lr"] / group["lr_multiplier"]  # the schedule's rate, which groups scale
         self.tokens_seen += training.global_tokens_per_step
+        self.meter.step_queued(queued.step, training.global_tokens_per_step / self.dims.world_size, queued.data_wait)
         tokens_by_source = self.dataloader.tokens_per_source() if self.should_log(queued.step) else None
         self.pending = PendingStep(queued, self.current_lr, tokens_by_source, readback)
 
@@ -217,14 +217,13 @@ class Trainer:
         assert applied != bool(skipped), f"step {queued.step}: the device and the host judged its update differently"
         if applied:
             self.training.lr_scheduler.step()
-        self.meter.add_step(self.training.global_tokens_per_step / self.dims.world_size, queued.data_wait)
         rolled_back = False
         if anomaly is not None:
             if anomaly.action == "stop":
                 self.stop_diverged(queued, anomaly)
             rolled_back = self.handle_anomaly(anomaly)
         if rolled_back:
-            self.last_logged = self.step  # the steps after the checkpoint's run again
+            self.meter.start()  # the steps after the checkpoint's run again; the reload is not a step's time
         elif self.should_log(queued.step):
             self.log_metrics(pending, loss, grad_norm)
         return StepResult(queued.step, loss, grad_norm, anomaly, rolled_back)
@@ -275,19 +274,23 @@ class Trainer:
         return True
 
     def should_log(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+        """Every --metrics.log_freq steps, and this run's first and last step."""
+        return step == self.first_step or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
 
     def log_metrics(self, pending: PendingStep, loss: float, grad_norm: float) -> None:
         step = pending.queued.step
         record = {"step": step, "loss": loss, "grad_norm": grad_norm, "lr": pending.lr}
-        record.update(self.meter.window(step, step - self.last_logged))
-        record.update(self.stopper.step_times)
+        rates = self.meter.window(step)
+        step_s = rates.pop("step_s")
+        record.update(rates)
+        # Every rank logs the same steps: one all-reduce tells the fastest and the slowest rank's time (stragglers).
+        slowest, minus_fastest = self.stopper.agree([step_s, -step_s])
+        record.update(step_time_min_s=-minus_fastest, step_time_max_s=slowest)
         record["gc_pause_s"] = self.collector.take_pause_seconds()
         tokens_by_source = pending.tokens_by_source
         record["tokens_by_source"] = tokens_by_source if tokens_by_source and len(tokens_by_source) > 1 else None
         record.update(self.training.model_metrics())
         self.write_record(record)
-        self.last_logged = step
 
     def write_record(self, record: dict[str, Any]) -> None:
         """Hand a metrics, evaluation or anomaly record to every sink."""
@@ -306,14 +309,16 @@ class Trainer:
         self.checkpointer.poll()
         total = self.cfg.training.steps
         if self.checkpointer.should_save(self.step, total):
+            start = time.perf_counter()
             self.checkpointer.save(self.train_state(), last_step=total)
+            self.meter.exclude(time.perf_counter() - start)
 
     def should_validate(self) -> bool:
         v = self.cfg.validation
         return v.enable and (self.step % v.freq == 0 or self.step == self.cfg.training.steps)
 
     def validate(self) -> None:
-        """Evaluate and log val_loss at this step; the time is left out of the throughput window."""
+        """Evaluate and log val_loss at this step; the time is left out of the training steps' times."""
         result = self.run_validation()
         self.meter.exclude(result.seconds)
         self.write_record(result.record(self.step))

@@ -1,0 +1,36 @@
+"""Documented multi-process training commands (tests/test_doc_commands.py) in one torchrun launch per world size,
+as run_cases runs parity cases: each case's flags are the folder its command runs in, then train.py's arguments.
+
+    torchrun --nproc_per_node 2 tests/harness/doc_commands_harness.py FOLDER CASES.json
+
+Each case is what a rank of `NGPU=N ./run_train.sh ARGS` runs (train.py's train()); only the launcher's own start,
+which tests/test_launch.py runs, is shared.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+# Run as a script (torchrun): the repository root holds titan and train.py, tests/ the harness package.
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+from titan.metrics.log import init_logger  # noqa: E402
+from titan.parallel.dims import destroy_distributed  # noqa: E402
+
+from harness.torchrun import finish_rank, run_each_case  # noqa: E402
+from harness.train_script import TRAIN  # noqa: E402
+
+
+def run_case(flags: list[str], world_size: int) -> dict:
+    """Train the command's job from its folder (its relative paths, its outputs); a failure ends the launch."""
+    folder, argv = flags[0], flags[1:]
+    os.chdir(folder)
+    TRAIN.train(argv)
+    return {}
+
+
+if __name__ == "__main__":
+    init_logger()
+    run_each_case(run_case)
+    destroy_distributed(wait_for_peers=True)
+    finish_rank()
