@@ -137,16 +137,17 @@ def trainer_invocation(text: str) -> Invocation | None:
     return None
 
 
-# A training command runs at most this many steps here: enough to log, save at a documented interval and resume.
-MAX_STEPS = 20
-SHORT_STEPS = "3"
+SHORT_STEPS = "2"
+"""The steps a training command runs here: its first and last step are logged."""
+MAX_CHECKPOINT_STEPS = 20
+"""A checkpointing command of at most this many steps runs them all: the docs go on from its step folders."""
 
 
 def shortened(argv: list[str]) -> list[str]:
-    """`argv` with --training.steps cut to SHORT_STEPS where the command asks for more than MAX_STEPS or leaves it to
-    the config (a later flag wins)."""
+    """`argv` with --training.steps cut to SHORT_STEPS (a later flag wins), except for a checkpointing command that
+    names at most MAX_CHECKPOINT_STEPS steps."""
     steps = [int(argv[i + 1]) for i, arg in enumerate(argv[:-1]) if arg == "--training.steps"]
-    if steps and steps[-1] <= MAX_STEPS:
+    if "--checkpoint.enable" in argv and steps and steps[-1] <= MAX_CHECKPOINT_STEPS:
         return argv
     return [*argv, "--training.steps", SHORT_STEPS]
 
