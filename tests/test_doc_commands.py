@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from titan.config.errors import ConfigError
 from titan.config.load import parse_args, to_toml
 
 from harness.doc_commands import (
@@ -48,8 +49,8 @@ class Outputs:
         self.tmp_path_factory = tmp_path_factory
         self.folders: dict[tuple[Path, int], Path] = {}
         self.printed: dict[str, str] = {}
-        self.ran: dict[str, DocCommand] = {}
-        """The first command that ran each job (job_key)."""
+        self.runs_as: dict[DocCommand, DocCommand | None] | None = None
+        """Each command's earlier twin (same_job_as), once worked out."""
         self.launched: CaseResults | None = None
         """The multi-process training commands' results, by case name (launch_multi_process)."""
 
@@ -67,20 +68,29 @@ class Outputs:
                 self.folders[key] = folder
         return self.folders[key]
 
+    def same_job_as(self, command: DocCommand) -> DocCommand | None:
+        """The command of an earlier block that runs the same job (job_key), whose run `command` reuses; None when
+        it runs itself (the first of its job, or a repeat within one block, such as a rerun that resumes). A command
+        whose flags do not parse runs itself, and fails its own test."""
+        if self.runs_as is None:
+            self.runs_as, first = {}, {}
+            for other in COMMANDS:
+                try:
+                    earlier = first.setdefault(job_key(other), other)
+                except (ConfigError, SystemExit):
+                    earlier = other
+                self.runs_as[other] = earlier if (earlier.doc, earlier.block) != (other.doc, other.block) else None
+        return self.runs_as[command]
 
     def launch_multi_process(self) -> CaseResults:
         """Every multi-process training command that runs (not marked, not the same job as an earlier block's), in
         one torchrun launch per world size."""
         if self.launched is None:
             cases: dict[int, dict[str, list[str]]] = {}
-            seen: dict[str, DocCommand] = {}
             for command in COMMANDS:
                 invocation = trainer_invocation(command.text)
-                if command.skip is not None or not trains(invocation) or invocation.processes == 1:
-                    continue
-                key = job_key(command)
-                earlier = seen.setdefault(key, command)
-                if earlier is command or (earlier.doc, earlier.block) == (command.doc, command.block):
+                if (command.skip is None and trains(invocation) and invocation.processes > 1
+                        and self.same_job_as(command) is None):
                     cases.setdefault(invocation.processes, {})[case_name(command)] = [
                         str(self.folder(command)), *shortened(invocation.argv)]
             self.launched = CaseResults({}, {})
@@ -144,9 +154,9 @@ def run_command(command: DocCommand, outputs: Outputs, monkeypatch: pytest.Monke
 def test_documented_command_runs(command: DocCommand, outputs: Outputs, monkeypatch: pytest.MonkeyPatch) -> None:
     if command.skip is not None:
         pytest.skip(f"{command.text}: {command.skip}")
-    key = job_key(command)  # parses the flags: a rejected one fails here
-    earlier = outputs.ran.get(key)
-    if earlier is not None and (earlier.doc, earlier.block) != (command.doc, command.block):
+    job_key(command)  # parses the flags: a rejected one fails here
+    earlier = outputs.same_job_as(command)
+    if earlier is not None:
         # The same job as in another block: it ran there, and this block goes on in that block's folder.
         outputs.printed[command.text] = outputs.printed[earlier.text]
         outputs.folders.setdefault((command.doc, command.block), outputs.folder(earlier))
@@ -154,7 +164,6 @@ def test_documented_command_runs(command: DocCommand, outputs: Outputs, monkeypa
     code, printed = run_command(command, outputs, monkeypatch)
     assert code == 0, f"{command.name}: `{command.text}` exited with {code}:\n{printed[-4000:]}"
     outputs.printed[command.text] = printed
-    outputs.ran.setdefault(key, command)
 
 
 @pytest.mark.parametrize("quoted", QUOTED, ids=[f"{q.doc.relative_to(ROOT)}:{q.line}" for q in QUOTED])

@@ -52,19 +52,21 @@ def flow_field_help(config: type) -> None:
 
 
 flow_field_help(JobConfig)
+FAMILIES = ", ".join(typing.get_args(typing.get_type_hints(Model)["name"]))
+DESCRIPTION = f"Titan: pretrain LLMs of the families {FAMILIES} (--model.name). Flags override the TOML file in " \
+              f"--job.config_file."
+"""The head of --help."""
 
 
 def parse_args(argv: list[str], program: str = PROGRAM) -> JobConfig:
     """Parse `argv` (without the program name) into a JobConfig. User mistakes raise ConfigError;
     tyro itself reports unknown flags and badly typed flag values, with exit code 2. `program` heads --help."""
     if not any(arg in ("-h", "--help") for arg in argv):
-        check_flag_names(argv)
+        check_flag_names(argv, program)
     config_file = find_config_file(argv)
     base = load_toml(Path(config_file)) if config_file else JobConfig()
-    families = ", ".join(typing.get_args(typing.get_type_hints(Model)["name"]))
     cfg = tyro.cli(JobConfig, args=switches_without_values(argv), default=base, use_underscores=True, prog=program,
-                   description=f"Titan: pretrain LLMs of the families {families} (--model.name). Flags override the "
-                               f"TOML file in --job.config_file.")
+                   description=DESCRIPTION)
     split_comma_lists(cfg)
     return cfg
 
@@ -260,7 +262,7 @@ def suggest(name: str, valid: typing.Iterable[str]) -> str:
     return f". Valid names: {', '.join(valid)}."
 
 
-def check_flag_names(argv: list[str]) -> None:
+def check_flag_names(argv: list[str], program: str) -> None:
     """Raise one ConfigError naming every `--section.field` flag that is not Titan's, with the nearest ones."""
     known = {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
              for name in typing.get_type_hints(section.type)}
@@ -271,7 +273,7 @@ def check_flag_names(argv: list[str]) -> None:
         if not flag.startswith("--") or flag.replace("-", "_").replace("__", "--", 1) in known:
             continue
         near = closest(flag, known)
-        hint = f" Did you mean {' or '.join(near)}?" if near else " See ./run_train.sh --help for every field."
+        hint = f" Did you mean {' or '.join(near)}?" if near else f" See {program} --help for every field."
         problems.append(f"{flag} is not a Titan flag.{hint}")
     if problems:
         raise ConfigError(problems)

@@ -139,15 +139,13 @@ class ThroughputMeter:
         self.device = device
         self.peak = peak_flops(device)
         self.total_steps = total_steps
-        self.window_start: Mark = mark_now(device)
-        self.queued: dict[int, QueuedStepWork] = {}
-        self.excluded_seconds = 0.0
+        self.start()
 
     def start(self) -> None:
         """Open a window now: before the first step of a run, and after a rollback (whose reload is not training).
         Steps queued before are forgotten."""
-        self.window_start = mark_now(self.device)
-        self.queued.clear()
+        self.window_start: Mark = mark_now(self.device)
+        self.queued: dict[int, QueuedStepWork] = {}
         self.excluded_seconds = 0.0
 
     def step_queued(self, step: int, tokens: float, data_wait_seconds: float) -> None:
