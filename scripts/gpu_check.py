@@ -371,7 +371,7 @@ def bf16_adam_compiled_against_eager(device: torch.device, numel: int = 4_000_03
     stochastic rounding); step counts equal. A skipped step (NaN gradients, apply False) leaves every tensor bit for
     bit as it was, compiled and eager."""
     eager = adam_step(adam_update, numel, device, apply=True, nan_grads=False)
-    compiled = adam_step(compiled_adam_update, numel, device, apply=True, nan_grads=False)
+    compiled = adam_step(compiled_adam_update(), numel, device, apply=True, nan_grads=False)
     weight_error = (compiled[0] - eager[0]).abs().max().item()
     moments = [bf16_moments_apart(got, want) for got, want in zip(compiled[1:3], eager[1:3])]
     problems = [f"weights differ by {weight_error:.1e}"] if weight_error > 1e-6 else []
@@ -379,7 +379,7 @@ def bf16_adam_compiled_against_eager(device: torch.device, numel: int = 4_000_03
                  in zip(("exp_avg", "exp_avg_sq"), moments) if steps > 1 or count > numel // 1000]
     problems += ["step counts differ"] if not torch.equal(compiled[3], eager[3]) else []
     before = adam_inputs(numel, device, nan_grads=True)
-    for name, update in (("eager", adam_update), ("compiled", compiled_adam_update)):
+    for name, update in (("eager", adam_update), ("compiled", compiled_adam_update())):
         skipped = adam_step(update, numel, device, apply=False, nan_grads=True)
         if not all(torch.equal(got, want) for got, want in zip(skipped, [before[0], *before[2:]])):
             problems.append(f"a skipped step with NaN gradients changed the state ({name})")

@@ -1,7 +1,8 @@
 """Checkpoints on real files and real processes: exact resume (one process and FSDP=2), kill safety during an
 async save, keep_latest_k, resharding across layouts, weights-only exports and seeds, and the errors a user sees.
-Runs of several processes go through ./run_train.sh; one process runs train.py's main in this process (the
-launcher's start-up adds nothing to it), except the run that is killed."""
+Runs of several processes go through ./run_train.sh, but for the straight runs that resumes are checked against,
+which share one torchrun launch; one process runs train.py's main in this process (the launcher's start-up adds
+nothing to it), except the run that is killed."""
 
 import json
 import os
@@ -24,6 +25,7 @@ from titan.config.job import Checkpoint
 from titan.train.trainer import Trainer
 
 from harness.debug_training import DEBUG_TOML
+from harness.torchrun import run_cases
 from harness.train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
 
 STEPS = 10
@@ -62,17 +64,36 @@ STRAIGHT_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def straight_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The folder of a STRAIGHT_RUNS run, trained on first use: STEPS steps with checkpoints at MIDDLE and STEPS."""
+def straight_runs(request: pytest.FixtureRequest,
+                  tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The folder of a STRAIGHT_RUNS run, trained on first use: STEPS steps with checkpoints at MIDDLE and STEPS. The
+    first use of a 2-process run trains every 2-process run that the selected tests of this module name, in one
+    torchrun launch (run_cases): the ranks' start-up costs more than a run."""
     folders: dict[str, Path] = {}
+    asked = {item.callspec.params["name"] for item in request.session.items
+             if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
 
     def straight(name: str) -> Path:
         if name not in folders:
             nprocs, model, layout = STRAIGHT_RUNS[name]
-            folder = tmp_path_factory.mktemp(f"straight-{name}")
-            train(folder, "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout, nprocs=nprocs)
-            folders[name] = folder
+            if nprocs == 1:
+                folders[name] = tmp_path_factory.mktemp(f"straight-{name}")
+                train(folders[name], "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout)
+            else:
+                launch_straight_runs(sorted({name} | {n for n in asked - folders.keys()
+                                                      if STRAIGHT_RUNS[n][0] == nprocs}), nprocs)
         return folders[name]
+
+    def launch_straight_runs(names: list[str], nprocs: int) -> None:
+        launch = tmp_path_factory.mktemp(f"straight-{nprocs}-processes")
+        cases = {}
+        for name in names:
+            _, model, layout = STRAIGHT_RUNS[name]
+            folders[name] = launch / name
+            cases[name] = [str(launch), "--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(launch / name),
+                           "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout]
+        finished = run_cases("train_cases_harness.py", nprocs, launch, cases)
+        assert not finished.failures, finished.failures
 
     return straight
 

@@ -96,7 +96,7 @@ class Outputs:
             self.launched = CaseResults({}, {})
             for processes, named in sorted(cases.items()):
                 folder = self.tmp_path_factory.mktemp(f"launch{processes}")
-                self.launched.update(run_cases("doc_commands_harness.py", processes, folder, named))
+                self.launched.update(run_cases("train_cases_harness.py", processes, folder, named))
         return self.launched
 
 

@@ -22,6 +22,7 @@ from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 
 from harness.debug_training import NUM_LAYERS
+from harness.parallel_harness import PROBE_CASE
 from harness.torchrun import CaseResults, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,22 +172,38 @@ def write_short_documents(path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
+def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
     """The result of every case the selected tests of this module ask for, and of their references, on data of
-    short documents (training and validation)."""
-    asked = {item.callspec.params["case"] for item in request.session.items
-             if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})}
+    short documents (training and validation); and of every probe (PROBES, named PROBE_PREFIX + its name) when a
+    selected test reads one. One launch per world size runs both kinds (parallel_harness.py)."""
+    selected = [item for item in request.session.items if item.module is request.module]
+    asked = {item.callspec.params["case"] for item in selected
+             if "case" in getattr(getattr(item, "callspec", None), "params", {})}
     names = asked | {LAYOUTS[name].reference for name in asked} - {None}
     documents = str(write_short_documents(tmp_path_factory.mktemp("data") / "short_documents.jsonl"))
     data = ["--training.dataset", "jsonl", "--training.dataset_path", documents, "--validation.dataset", "jsonl",
             "--validation.dataset_path", documents]
+    folders = {nprocs: tmp_path_factory.mktemp(f"nprocs{nprocs}")
+               for nprocs in {LAYOUTS[name].nprocs for name in names} | set(PROBES)}
+    cases: dict[int, dict[str, list[str]]] = {}
+    for name in sorted(names):
+        folder = folders[LAYOUTS[name].nprocs]
+        cases.setdefault(LAYOUTS[name].nprocs, {})[name] = [*BASE, *data, "--job.dump_folder", str(folder / name),
+                                                            *LAYOUTS[name].flags]
+    if any("probes" in item.fixturenames for item in selected):
+        for nprocs, probes in PROBES.items():
+            for name, flags in probes.items():
+                cases.setdefault(nprocs, {})[PROBE_PREFIX + name] = [
+                    PROBE_CASE, *PROBE, "--job.dump_folder", str(folders[nprocs] / (PROBE_PREFIX + name)), *flags]
     results = CaseResults({}, {})
-    for nprocs in sorted({LAYOUTS[name].nprocs for name in names}):
-        folder = tmp_path_factory.mktemp(f"nprocs{nprocs}")
-        results.update(run_cases("parallel_harness.py", nprocs, folder, {
-            name: [*BASE, *data, "--job.dump_folder", str(folder / name), *LAYOUTS[name].flags]
-            for name in sorted(names) if LAYOUTS[name].nprocs == nprocs}))
+    for nprocs, named in sorted(cases.items()):
+        results.update(run_cases("parallel_harness.py", nprocs, folders[nprocs], named))
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(launched: CaseResults) -> CaseResults:
+    return launched
 
 
 def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True, weight_atol: float = 1e-4) -> None:
@@ -293,6 +310,8 @@ def test_pipeline_and_context_parallel_with_compile_and_ac(runs: CaseResults, ca
 # no final evaluation: the probe reads the gradients as the training step left them.
 PROBE = [*BASE, "--validation.no_enable", "--training.steps", "1", "--training.max_norm", "0",
          "--training.local_batch_size", "2"]
+PROBE_PREFIX = "probe_"
+"""Probes and parity cases share launches; this keeps their names apart."""
 COMM_TIMEOUTS = ["--comm.init_timeout_seconds", "123", "--comm.train_timeout_seconds", "45"]
 PROBES = {
     2: {"always_bf16_reduce": [*FSDP2, "--parallelism.fsdp_reshard_after_forward", "always",
@@ -306,14 +325,12 @@ PROBES = {
 
 
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory: pytest.TempPathFactory) -> CaseResults:
-    """Every probe's result by name; one launch per world size."""
-    results = CaseResults({}, {})
-    for nprocs, cases in PROBES.items():
-        folder = tmp_path_factory.mktemp(f"probes{nprocs}")
-        results.update(run_cases("trainer_probe.py", nprocs, folder, {
-            name: [*PROBE, "--job.dump_folder", str(folder / name), *flags] for name, flags in cases.items()}))
-    return results
+def probes(launched: CaseResults) -> CaseResults:
+    """Every probe's result by its name in PROBES (run in the parity cases' launches)."""
+    return CaseResults({name[len(PROBE_PREFIX):]: result for name, result in launched.results.items()
+                        if name.startswith(PROBE_PREFIX)},
+                       {name[len(PROBE_PREFIX):]: failure for name, failure in launched.failures.items()
+                        if name.startswith(PROBE_PREFIX)})
 
 
 @pytest.mark.parametrize("probe, blocks, root", [

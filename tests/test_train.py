@@ -351,11 +351,14 @@ def test_bf16_autocast_trains(tmp_path: Path) -> None:
 
 def test_compile_matches_eager(tmp_path: Path) -> None:
     """Every block is compiled and dynamo really traced it: two graphs, one that all blocks share and one for the
-    loss (the loss alone would be one). The losses are eager's."""
-    build_trainer(tmp_path / "eager", "--training.steps", "3").run()
+    loss (the loss alone would be one). The losses are eager's. At the debug config's own batch (8 x 256 tokens),
+    which the README's compiled command trains too: inductor's on-disk cache then compiles these graphs once per
+    suite (tests/test_doc_commands.py runs that command first)."""
+    debug_batch = ["--training.steps", "3", "--training.seq_len", "256", "--training.local_batch_size", "8"]
+    build_trainer(tmp_path / "eager", *debug_batch).run()
     torch._dynamo.reset()  # compile afresh: graphs cached by an earlier test would leave nothing to count
     counters.clear()
-    compiled = build_trainer(tmp_path / "compiled", "--training.steps", "3", "--training.compile")
+    compiled = build_trainer(tmp_path / "compiled", *debug_batch, "--training.compile")
     compiled.run()
     assert all(block._compiled_call_impl is not None for block in compiled.training.model.layers.values())
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

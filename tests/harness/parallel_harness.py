@@ -29,6 +29,11 @@ from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 from harness.torchrun import finish_rank, run_each_case  # noqa: E402
+from harness.trainer_probe import run_case as run_probe  # noqa: E402
+
+PROBE_CASE = "probe"
+"""A case whose flags start with this is a probe of tests/harness/trainer_probe.py (its flags follow): the parity
+tests' launches run their probes too, since starting the ranks costs more than a case."""
 
 
 class AllGatherBytes(TorchDispatchMode):
@@ -115,8 +120,14 @@ def run_case(flags: list[str], world_size: int) -> dict:
     return result
 
 
+def run_parity_case_or_probe(flags: list[str], world_size: int) -> dict:
+    if flags[:1] == [PROBE_CASE]:
+        return run_probe(flags[1:], world_size)
+    return run_case(flags, world_size)
+
+
 if __name__ == "__main__":
     init_logger()
-    run_each_case(run_case)
+    run_each_case(run_parity_case_or_probe)
     destroy_distributed(wait_for_peers=True)
     finish_rank()

@@ -1,16 +1,14 @@
-"""Run Titan's training loop (Trainer.run) under torchrun and save what losses can't show, for the parallel tests:
-every case of one world size in one launch (tests/harness/torchrun.py run_cases).
+"""Probes of Titan's training loop (Trainer.run) under torchrun, for what losses can't show in the parallel tests:
+tests/harness/parallel_harness.py runs them in the parity cases' launches (a case whose flags start with its
+PROBE_CASE), and tests/test_train.py counts host reads with counting_host_reads.
 
-    torchrun --nproc_per_node 2 tests/harness/trainer_probe.py FOLDER CASES.json
-
-Each case's result holds rank 0's view: which parameters were sharded by FSDP right after the first forward, each
+Each probe's result holds rank 0's view: which parameters were sharded by FSDP right after the first forward, each
 process group's collective timeout after setup and after training, and the local gradient shards of the last step;
 and every rank's host reads during the run (HostReads, which the single-process loop tests count too).
 """
 
 import contextlib
 import os
-import sys
 import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,17 +21,11 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
-sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
-
-from titan.config.check import load_job_config  # noqa: E402
-from titan.metrics.log import init_logger  # noqa: E402
-from titan.parallel.dims import MESH_DIMS, destroy_distributed  # noqa: E402
-from titan.train.preemption import Stopper  # noqa: E402
-from titan.train.readback import Readback  # noqa: E402
-from titan.train.trainer import Trainer  # noqa: E402
-
-from harness.torchrun import finish_rank, run_each_case  # noqa: E402
+from titan.config.check import load_job_config
+from titan.parallel.dims import MESH_DIMS
+from titan.train.preemption import Stopper
+from titan.train.readback import Readback
+from titan.train.trainer import Trainer
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DEVICE_MESH = os.path.join("torch", "distributed", "device_mesh.py")
@@ -237,9 +229,3 @@ def run_case(flags: list[str], world_size: int) -> dict:
     return {"after_forward": after_forward[0], "setup_timeouts": setup_timeouts,
             "train_timeouts": group_timeouts(trainer), "gradients": gradients, "host_reads": host_reads}
 
-
-if __name__ == "__main__":
-    init_logger()
-    run_each_case(run_case)
-    destroy_distributed(wait_for_peers=True)
-    finish_rank()

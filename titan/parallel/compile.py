@@ -1,7 +1,5 @@
 """torch.compile per transformer block, and of the loss."""
 
-import torch
-import torch._inductor.config
 from torch import nn
 
 from titan.metrics.log import logger
@@ -15,6 +13,8 @@ def apply_compile(model: nn.Module, emulate_precision_casts: bool, fullgraph: bo
     as eager does; without it, float8 rowwise + RMSNorm has given NaN losses (torch >= 2.6).
 
     The loss compiles per chunk of logits (OutputLoss.compile_logits_loss)."""
+    import torch._inductor.config  # here, not at the top: importing inductor costs every process's start-up ~0.7 s
+
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     for block in model.layers.values():
         block.compile(fullgraph=fullgraph)

@@ -20,7 +20,8 @@ torch's fused Adam: while the trainer sets `found_inf`, a non-zero value leaves 
 counts bit for bit as they were, whatever the gradients hold (a skipped step's are often NaN or inf).
 """
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -96,7 +97,11 @@ def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tens
         state.copy_(torch.where(apply, value, state))
 
 
-compiled_adam_update = torch.compile(adam_update, dynamic=True, fullgraph=True)
+@functools.cache
+def compiled_adam_update() -> Callable[..., None]:
+    """adam_update compiled, built on first use: torch.compile imports dynamo and inductor, about a second of the
+    start-up of every process, which runs without bfloat16 optimizer state need not pay."""
+    return torch.compile(adam_update, dynamic=True, fullgraph=True)
 
 
 class BF16StateAdam(torch.optim.Optimizer):
@@ -143,7 +148,7 @@ class BF16StateAdam(torch.optim.Optimizer):
             exp_avg, exp_avg_sq = local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1)
             # whether to apply the update: a flag on the device, never read on the host
             apply = torch.ones((), dtype=torch.bool, device=weights.device) if found_inf is None else found_inf == 0
-            update = adam_update if is_fake(weights) else compiled_adam_update
+            update = adam_update if is_fake(weights) else compiled_adam_update()
             # keyed by the step count the update will have: a skipped step's bits go unused and come at the next one
             keys = rounding_keys(state["step"] + 1, param_index)
             # The rates as 0-dim device tensors (a fill kernel each, no copy from the host): as Python floats the

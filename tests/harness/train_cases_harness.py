@@ -1,7 +1,8 @@
-"""Documented multi-process training commands (tests/test_doc_commands.py) in one torchrun launch per world size,
-as run_cases runs parity cases: each case's flags are the folder its command runs in, then train.py's arguments.
+"""Training runs that only have to finish, in one torchrun launch per world size, as run_cases runs parity cases:
+each case's flags are the folder it runs in, then train.py's arguments. tests/test_doc_commands.py runs the
+documented multi-process commands through it, tests/test_checkpoint.py the straight runs its resumes start from.
 
-    torchrun --nproc_per_node 2 tests/harness/doc_commands_harness.py FOLDER CASES.json
+    torchrun --nproc_per_node 2 tests/harness/train_cases_harness.py FOLDER CASES.json
 
 Each case is what a rank of `NGPU=N ./run_train.sh ARGS` runs (train.py's train()); only the launcher's own start,
 which tests/test_launch.py runs, is shared.
@@ -22,7 +23,7 @@ from harness.train_script import TRAIN  # noqa: E402
 
 
 def run_case(flags: list[str], world_size: int) -> dict:
-    """Train the command's job from its folder (its relative paths, its outputs); a failure ends the launch."""
+    """Train the case's job from its folder (its relative paths, its outputs); a failure ends the launch."""
     folder, argv = flags[0], flags[1:]
     os.chdir(folder)
     TRAIN.train(argv)
