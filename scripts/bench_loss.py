@@ -3,7 +3,7 @@
     python scripts/bench_loss.py                        # the shapes below, chunk sizes 1024 2048 4096
     python scripts/bench_loss.py --compile --repeats 5  # also time the loss compiled, as --training.compile runs it
 
-What is measured is OutputLoss (titan/models/llama/loss.py), forward and backward, from the final hidden states:
+What is measured is OutputLoss (titan/models/common/loss.py), forward and backward, from the final hidden states:
 with chunk size 0 the output layer makes the whole batch's logits and the loss reads them; chunked, each chunk's
 logits exist only inside its checkpointed forward and again, one chunk at a time, in the backward. Shapes: the
 debug job's (8 x 2048 tokens, dim 256, vocab 2256), timed; Llama 3 8B's output layer (dim 4096, vocab 128256) at
@@ -23,8 +23,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from bench_common import interleaved_median_seconds, peak_tensor_bytes
-from titan.models.llama.args import padded_vocab_size
-from titan.models.llama.loss import OutputLoss
+from titan.models.common.args import padded_vocab_size
+from titan.models.common.loss import OutputLoss
 
 MIB = 2**20
 

@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan.models.qwen3 import moe as moe_module  # noqa: E402
-from titan.models.qwen3.moe import GroupedExperts  # noqa: E402
+from titan.models.common import moe as moe_module  # noqa: E402
+from titan.models.common.moe import GroupedExperts  # noqa: E402
 
 # (tokens, dim, experts, top_k, expert hidden): the debug MoE flavor's layer at 4 x 256 tokens, and one of
 # 30B-A3B's shape with fewer experts and tokens, so that it fits a CPU's time.

@@ -93,7 +93,7 @@ from torch.distributed.pipelining import schedules
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import titan.models.llama.model as model_module  # noqa: E402
+import titan.models.common.attention as attention_module  # noqa: E402
 from bench_common import peak_tensor_bytes  # noqa: E402
 from bench_data import per_rank_table  # noqa: E402
 from tests.reference.rope_ref import complex_rope  # noqa: E402
@@ -104,8 +104,8 @@ from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
-from titan.models.llama.attention import expand_kv_heads  # noqa: E402
-from titan.models.llama.loss import num_valid_targets  # noqa: E402
+from titan.models.common.attention import expand_kv_heads  # noqa: E402
+from titan.models.common.loss import num_valid_targets  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
@@ -575,7 +575,7 @@ class Lever:
 
 
 LEVERS = [
-    Lever("real RoPE", off_patches=lambda: [patch.object(model_module, "apply_rotary_emb", main_rope)]),
+    Lever("real RoPE", off_patches=lambda: [patch.object(attention_module, "apply_rotary_emb", main_rope)]),
     Lever("GQA without copies", off_patches=lambda: [
         patch.object(F, "scaled_dot_product_attention", main_gqa_sdpa(F.scaled_dot_product_attention))]),
     Lever("fused AdamW", off_flags=["--optimizer.implementation", "foreach"]),

@@ -50,13 +50,13 @@ sys.path.insert(0, str(ROOT))
 from titan.data.dataset import SHIPPED_CORPUS  # noqa: E402
 from titan.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer  # noqa: E402
-from titan.models.llama.attention import (  # noqa: E402
+from titan.models.common.attention import (  # noqa: E402
     FlexAttention,
     SDPAAttention,
     build_block_mask,
     build_dense_mask,
 )
-from titan.models.qwen3.moe import grouped_mm_supported, grouped_swiglu  # noqa: E402
+from titan.models.common.moe import grouped_mm_supported, grouped_swiglu  # noqa: E402
 from titan.train.bf16_state import adam_update, compiled_adam_update, rounding_keys  # noqa: E402
 
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "

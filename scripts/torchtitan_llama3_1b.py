@@ -76,7 +76,8 @@ from torchtitan.protocols.model_spec import ModelSpec  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer  # noqa: E402
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim, padded_vocab_size  # noqa: E402
+from titan.models.common.args import padded_vocab_size  # noqa: E402
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim  # noqa: E402
 
 LOCAL_BATCH_SIZE = 2
 SEQ_LEN = 8192

@@ -11,9 +11,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.models.common.attention import build_block_mask, document_layout
+from titan.models.common.loss import IGNORE_INDEX, mask_cross_document_targets
 from titan.models.llama import ModelArgs, Transformer, init_weights
-from titan.models.llama.attention import build_block_mask, document_layout
-from titan.models.llama.loss import IGNORE_INDEX, mask_cross_document_targets
 from titan.parallel.ac import selective_policy
 
 VOCAB, EOS = 2256, 2255

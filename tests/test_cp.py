@@ -11,8 +11,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
+from titan.models.common.attention import SDPAAttention, build_dense_mask, document_layout
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.attention import SDPAAttention, build_dense_mask, document_layout
 from titan.models.llama.init import init_weights
 from titan.models.llama.model import Transformer
 from titan.parallel.cp import (

@@ -23,8 +23,8 @@ from gpu_check import (
 )
 from titan.config.check import load_job_config
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from titan.models.common.flops import num_params
 from titan.models.families import FAMILIES, BuildOptions
-from titan.models.llama.flops import num_params
 
 ROOT = Path(__file__).resolve().parents[1]
 

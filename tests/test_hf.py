@@ -41,17 +41,13 @@ from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.loader import build_dataloader
 from titan.data.tokenizer import build_tokenizer
+from titan.models.common.attention import Attention, document_layout
+from titan.models.common.loss import cross_entropy_loss, mask_cross_document_targets
+from titan.models.common.rotary import RopeScaling, apply_rotary_emb, precompute_rope_cache
 from titan.models.families import FAMILIES
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, RopeScaling
-from titan.models.llama.attention import document_layout
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 from titan.models.llama.init import init_weights
-from titan.models.llama.loss import cross_entropy_loss, mask_cross_document_targets
-from titan.models.llama.model import (
-    Attention,
-    Transformer,
-    apply_rotary_emb,
-    precompute_rope_cache,
-)
+from titan.models.llama.model import Transformer
 
 from harness.train_script import losses_by_step, metric_records
 

@@ -26,8 +26,9 @@ from titan.checkpoint.hf import HF_CONFIG_FILE, hf_names, rotate_half_rows
 from titan.checkpoint.hf_io import load_hf, read_hf_weights, save_hf
 from titan.config.errors import ConfigError
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from titan.models.common.moe import MoEArgs
 from titan.models.families import FAMILIES
-from titan.models.qwen3 import MoEArgs, Qwen3Args, Transformer, build_qwen3_args, init_weights
+from titan.models.qwen3 import Qwen3Args, Transformer, build_qwen3_args, init_weights
 from titan.parallel.dims import destroy_distributed
 
 from harness.torchrun import spawn_ranks

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan.models.llama.loss import IGNORE_INDEX, OutputLoss, cross_entropy_sum
+from titan.models.common.loss import IGNORE_INDEX, OutputLoss, cross_entropy_sum
 from titan.train.step import TrainingStep
 
 from harness.debug_training import train

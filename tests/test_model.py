@@ -9,20 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan.models.llama import (
-    LLAMA3_FLAVORS,
-    ModelArgs,
-    Transformer,
-    cross_entropy_loss,
-    ffn_hidden_dim,
-    flops_per_token,
-    init_weights,
-    num_params,
-    padded_vocab_size,
-)
-from titan.models.llama.args import LLAMA31_ROPE_SCALING, RopeScaling
-from titan.models.llama.attention import SDPAAttention, expand_kv_heads
-from titan.models.llama.model import Attention, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+from titan.models.common.args import padded_vocab_size
+from titan.models.common.attention import Attention, SDPAAttention, expand_kv_heads
+from titan.models.common.flops import num_params
+from titan.models.common.loss import cross_entropy_loss
+from titan.models.common.rotary import RopeScaling, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+from titan.models.llama import LLAMA3_FLAVORS, ModelArgs, Transformer, ffn_hidden_dim, flops_per_token, init_weights
+from titan.models.llama.args import LLAMA31_ROPE_SCALING
 
 from reference.rope_ref import complex_rope, complex_rotation_table
 

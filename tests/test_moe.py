@@ -11,10 +11,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
-from titan.models.llama.flops import num_params
-from titan.models.qwen3 import QWEN3_FLAVORS, MoE, MoEArgs, Transformer, init_weights, num_active_params
-from titan.models.qwen3 import moe as moe_module
-from titan.models.qwen3.moe import GroupedExperts, Router, grouped_swiglu, load_balancing_loss
+from titan.models.common import moe as moe_module
+from titan.models.common.flops import num_params
+from titan.models.common.moe import GroupedExperts, MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
+from titan.models.qwen3 import QWEN3_FLAVORS, Transformer, init_weights, num_active_params
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import expert_major_order
 from titan.quant.convert import apply_converters

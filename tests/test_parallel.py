@@ -13,7 +13,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPO
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
-from titan.models.llama import ModelArgs, Transformer, cross_entropy_loss, init_weights
+from titan.models.common.loss import cross_entropy_loss
+from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.parallel.ac import apply_ac, keeps_attention
 from titan.parallel.compile import apply_compile
 from titan.parallel.dims import resolve_dims

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 # Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from titan.models.qwen3.moe import GroupedExperts  # noqa: E402
+from titan.models.common.moe import GroupedExperts  # noqa: E402
 from titan.parallel.ep import ExpertParallelExperts  # noqa: E402
 
 from harness.torchrun import finish_rank  # noqa: E402

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from titan.models import llama, qwen3
+from titan.models.common.args import AttnBackend
+from titan.models.common.flops import num_params
 from titan.models.llama.args import build_model_args
-from titan.models.llama.attention import AttnBackend
-from titan.models.llama.flops import num_params
 
 
 @dataclass(frozen=True)

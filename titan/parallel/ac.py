@@ -36,7 +36,7 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
 
 # The matmuls the "op" policy alternates on: plain, native float8 and MX (torch._scaled_mm) and a mixture of
-# experts' grouped matmul (titan/models/qwen3/moe.py).
+# experts' grouped matmul (titan/models/common/moe.py).
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._grouped_mm.default}
 
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.metrics.log import logger
-from titan.models.llama.attention import expand_kv_heads
+from titan.models.common.attention import expand_kv_heads
 
 ROTATE_METHODS = ("allgather", "alltoall")
 

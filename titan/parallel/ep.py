@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan.metrics.log import logger
-from titan.models.qwen3.moe import GroupedExperts, grouped_swiglu, host_counts
+from titan.models.common.moe import GroupedExperts, grouped_swiglu, host_counts
 
 
 class ExpertParallelExperts(GroupedExperts):

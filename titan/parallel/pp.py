@@ -13,10 +13,10 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
-from titan.models.llama.attention import AttentionMask
-from titan.models.llama.batch import MicroBatch
-from titan.models.llama.loss import OutputLoss
-from titan.models.llama.model import RotaryEmbedding
+from titan.models.common.attention import AttentionMask
+from titan.models.common.batch import MicroBatch
+from titan.models.common.loss import OutputLoss
+from titan.models.common.rotary import RotaryEmbedding
 from titan.parallel.reductions import as_local
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.

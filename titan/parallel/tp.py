@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.metrics.log import logger
-from titan.models.llama.loss import IGNORE_INDEX, LogitsLoss, OutputLoss
+from titan.models.common.loss import IGNORE_INDEX, LogitsLoss, OutputLoss
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:

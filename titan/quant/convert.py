@@ -10,13 +10,13 @@ from torch import nn
 from titan.config.errors import ConfigError
 from titan.config.job import MX, Float8
 from titan.metrics.log import logger
-from titan.models.qwen3.moe import GroupedExperts
+from titan.models.common.moe import GroupedExperts
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.formats import MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
 
-# A mixture of experts' router (titan/models/qwen3/moe.py Router.gate): kept in high precision whatever the recipe.
+# A mixture of experts' router (titan/models/common/moe.py Router.gate): kept in high precision whatever the recipe.
 ROUTER_SUFFIX = ".router.gate"
 # Float8 matmul kernels (cuBLASLt, torch._scaled_mm) need both weight dims divisible by 16.
 FLOAT8_DIM_MULTIPLE = 16

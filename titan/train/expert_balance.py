@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan.models.qwen3.model import moe_layers
+from titan.models.common.moe import moe_layers
 from titan.train.readback import Readback
 
 NO_EXPERT_METRICS = {"moe_imbalance": None, "tokens_per_expert": None}

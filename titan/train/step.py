@@ -20,11 +20,11 @@ from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
+from titan.models.common.attention import document_layout, sequence_positions
+from titan.models.common.batch import MicroBatch
+from titan.models.common.flops import num_params
+from titan.models.common.loss import mask_cross_document_targets, num_valid_targets
 from titan.models.families import FAMILIES, BuildOptions, ModelFamily
-from titan.models.llama.attention import document_layout, sequence_positions
-from titan.models.llama.batch import MicroBatch
-from titan.models.llama.flops import num_params
-from titan.models.llama.loss import mask_cross_document_targets, num_valid_targets
 from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes

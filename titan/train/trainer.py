@@ -21,7 +21,7 @@ from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
-from titan.models.llama.batch import MicroBatch
+from titan.models.common.batch import MicroBatch
 from titan.parallel.dims import build_device, data_parallel_rank, init_distributed, resolve_dims, set_collective_timeout
 from titan.train.anomalies import Anomaly, AnomalyGuard
 from titan.train.evaluate import EvalResult, evaluate

@@ -3,7 +3,7 @@ without building a model."""
 
 from dataclasses import dataclass, replace
 
-from titan.models.llama.attention import AttnBackend
+from titan.models.common.args import AttnBackend, DecoderArgs, RopeScaling
 
 # Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
@@ -12,65 +12,31 @@ LLAMA3_BOS_ID = 128000
 """<|begin_of_text|> in Llama 3's tokenizer."""
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1 RoPE frequency scaling (llama-models `apply_scaling`; HF rope_type "llama3").
-
-    Wavelengths shorter than original_max_position_embeddings / high_freq_factor keep their frequency,
-    those longer than original_max_position_embeddings / low_freq_factor are slowed down by `factor`,
-    and the band between is interpolated smoothly.
-    """
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
 LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)
 # Llama 3.2 1B/3B ship with factor 32 (their config.json), not 3.1's 8.
 LLAMA32_ROPE_SCALING = RopeScaling(factor=32.0)
 
 
-@dataclass(frozen=True)
-class ModelArgs:
-    """Shape of a Llama 3 transformer. Frozen, so the shared flavor table can't be edited by accident:
-    derive a variant with `dataclasses.replace(LLAMA3_FLAVORS[name], vocab_size=..., ...)`."""
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(DecoderArgs):
+    """Shape of a Llama 3 transformer: the shared fields (DecoderArgs) with Llama's defaults, and the SwiGLU hidden
+    size rule's two fields."""
 
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
     vocab_size: int = LLAMA3_VOCAB_SIZE
     """Real tokenizer size. The embedding and output have padded_vocab_size(...) rows."""
-    vocab_size_multiple_of: int = 64
-    """Pad the embedding and output rows up to a multiple of this, so later stages can split them evenly."""
     multiple_of: int = 256
     """Round the SwiGLU hidden size up to a multiple of this."""
     ffn_dim_multiplier: float | None = None
     """Scale applied to the SwiGLU hidden size 8*dim/3 before rounding. None: 1."""
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: RopeScaling | None = None
-    """Llama 3.1-style long-context frequency scaling. None: plain RoPE."""
     max_seq_len: int = 2048
     """Longest sequence the rotary table covers."""
-    depth_init: bool = True
-    """Output projections of layer i get std 0.02/sqrt(2*(i+1)); False: 0.02/sqrt(2*n_layers) for all."""
-    attn_backend: AttnBackend = "sdpa"
-    """Attention kernel: sdpa (causal only) or flex (FlexAttention, causal or block-causal)."""
-    loss_chunk_size: int = 1024
-    """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
 
     @property
     def head_dim(self) -> int:
         """Channels per attention head: Llama splits dim evenly over its heads."""
         return self.dim // self.n_heads
-
-
-def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:
-    """Round vocab_size up to a multiple of multiple_of: 2256 with 64 gives 2304."""
-    return -(-vocab_size // multiple_of) * multiple_of
 
 
 def ffn_hidden_dim(args: ModelArgs) -> int:

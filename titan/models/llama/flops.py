@@ -9,18 +9,7 @@ per layer in the forward, times 3. The causal mask is not halved (kernels skip t
 convention counts it), so numbers match published MFUs. Padded vocab rows count: the hardware does them.
 """
 
-from torch import nn
-
 from titan.models.llama.args import ModelArgs
-
-
-def num_params(model: nn.Module, exclude_embedding: bool) -> int:
-    """Parameter count of a Transformer at full (unsharded) size; exclude_embedding drops tok_embeddings."""
-    return sum(
-        param.numel()
-        for name, param in model.named_parameters()
-        if not (exclude_embedding and name.startswith("tok_embeddings."))
-    )
 
 
 def flops_per_token(args: ModelArgs, num_params: int, seq_len: int) -> int:

@@ -7,20 +7,8 @@ nn.init functions, so it works on sharded parameters and is reproducible under t
 import torch
 from torch import nn
 
-from titan.models.llama.args import ModelArgs
-from titan.models.llama.model import TransformerBlock, precompute_rope_cache
-
-# nn.init.trunc_normal_'s default cutoffs are +-2 in absolute value (100 std at 0.02): in practice a plain
-# normal. Kept as torchtitan has it; only the output layer is truncated at 3 std.
-INPUT_PROJECTION_STD = 0.02
-OUTPUT_CUTOFF_STDS = 3.0
-
-
-def residual_output_std(args: ModelArgs, layer_id: int) -> float:
-    """Std of the projections that write into the residual stream (wo, w2), shrunk with depth so the
-    residual's variance doesn't grow with the number of layers. w3 gets it too, as in torchtitan."""
-    depth = layer_id + 1 if args.depth_init else args.n_layers
-    return INPUT_PROJECTION_STD / (2 * depth) ** 0.5
+from titan.models.common.init import INPUT_PROJECTION_STD, init_output, rebuild_rotary_table, residual_output_std
+from titan.models.llama.model import TransformerBlock
 
 
 def init_block(block: TransformerBlock, output_std: float) -> None:
@@ -42,8 +30,7 @@ def init_weights(model: nn.Module, buffer_device: torch.device | str | None = No
     Embeddings get std 1: they feed an RMSNorm, so their scale only sets the residual stream's.
     The output layer gets std dim**-0.5, so initial logits have about unit variance.
     """
-    with torch.device(buffer_device or model.rope.cache.device):
-        model.rope.cache = precompute_rope_cache(model.args)
+    rebuild_rotary_table(model, buffer_device)
     if model.tok_embeddings is not None:
         nn.init.normal_(model.tok_embeddings.weight)
     # Keys, not positions, give the layer id: they stay the original ids even if the ModuleDict is edited.
@@ -52,6 +39,4 @@ def init_weights(model: nn.Module, buffer_device: torch.device | str | None = No
     if model.norm is not None:
         model.norm.reset_parameters()
     if model.output is not None:
-        final_std = model.args.dim**-0.5
-        cutoff = OUTPUT_CUTOFF_STDS * final_std
-        nn.init.trunc_normal_(model.output.weight, mean=0.0, std=final_std, a=-cutoff, b=cutoff)
+        init_output(model.output.weight, model.args.dim)

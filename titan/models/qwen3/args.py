@@ -3,42 +3,19 @@ model."""
 
 from dataclasses import dataclass, replace
 
-from titan.models.llama.args import RopeScaling
-from titan.models.llama.attention import AttnBackend
+from titan.models.common.args import AttnBackend, DecoderArgs
+from titan.models.common.moe import MoEArgs
 
 # Qwen3's vocabulary as its checkpoints store it: 151,669 tokens padded to 151,936 rows. The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
 QWEN3_VOCAB_SIZE = 151936
 
 
-@dataclass(frozen=True)
-class MoEArgs:
-    """The mixture-of-experts feed-forward of a Qwen3-MoE block: num_experts SwiGLU experts of hidden_dim units, of
-    which each token's router picks top_k."""
+@dataclass(frozen=True, kw_only=True)
+class Qwen3Args(DecoderArgs):
+    """Shape of a Qwen3 transformer, dense (moe None) or mixture-of-experts: the shared fields (DecoderArgs) with
+    Qwen3's defaults (plain RoPE), and its own."""
 
-    num_experts: int
-    top_k: int
-    hidden_dim: int
-    """Hidden units of one expert (HF's moe_intermediate_size)."""
-    norm_topk_prob: bool = True
-    """Rescale a token's top_k routing weights to sum to 1 (Qwen3-MoE does)."""
-    aux_loss_weight: float = 0.0
-    """Weight of each MoE layer's load-balancing loss in the gradient, per forward pass of the step (so the
-    weights of a step's micro-batches add up to the configured weight); 0: no such loss."""
-    load_balance_coeff: float = 0.0
-    """Auxiliary-loss-free balancing (DeepSeek-V3): each step moves every expert's routing bias by this much
-    towards balance; 0: no bias."""
-
-
-@dataclass(frozen=True)
-class Qwen3Args:
-    """Shape of a Qwen3 transformer, dense (moe None) or mixture-of-experts. Frozen, as Llama's ModelArgs: derive a
-    variant with `dataclasses.replace(QWEN3_FLAVORS[name], ...)`."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
     head_dim: int
     """Channels per attention head: Qwen3 sets it apart from dim (128 in every published size)."""
     hidden_dim: int
@@ -48,20 +25,10 @@ class Qwen3Args:
     """The output layer reuses the token embedding's matrix (Qwen3 0.6B, 1.7B and 4B)."""
     vocab_size: int = QWEN3_VOCAB_SIZE
     """Real tokenizer size. The embedding and output have padded_vocab_size(...) rows."""
-    vocab_size_multiple_of: int = 64
     norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     max_seq_len: int = 40960
     """Longest sequence the rotary table covers (HF's max_position_embeddings)."""
-    attn_backend: AttnBackend = "sdpa"
-    loss_chunk_size: int = 1024
-    depth_init: bool = True
-    """Output projections of layer i get std 0.02/sqrt(2*(i+1)), as Llama's init."""
-
-    @property
-    def rope_scaling(self) -> RopeScaling | None:
-        """Qwen3 uses plain RoPE (the rotary table reads this, as for Llama)."""
-        return None
 
 
 def qwen3_moe(dim: int, n_layers: int, n_heads: int, dense_hidden: int, num_experts: int, top_k: int,

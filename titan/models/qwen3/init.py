@@ -1,11 +1,10 @@
-"""Weight init after a meta-device build, Llama's scheme (titan/models/llama/init.py) extended to QK-norm, the
-router and the experts, and to a tied output."""
+"""Weight init after a meta-device build: the shared scheme (titan/models/common/init.py) as Llama fills it,
+extended to QK-norm, the router and the experts, and to a tied output."""
 
 import torch
 from torch import nn
 
-from titan.models.llama.init import INPUT_PROJECTION_STD, OUTPUT_CUTOFF_STDS, residual_output_std
-from titan.models.llama.model import precompute_rope_cache
+from titan.models.common.init import INPUT_PROJECTION_STD, init_output, rebuild_rotary_table, residual_output_std
 from titan.models.qwen3.model import TransformerBlock, tie_output
 
 
@@ -42,18 +41,15 @@ def init_weights(model: nn.Module, buffer_device: torch.device | str | None = No
     consumers don't mind."""
     args = model.args
     tie_output(model)  # to_empty() untied them: one matrix to fill
-    with torch.device(buffer_device or model.rope.cache.device):
-        model.rope.cache = precompute_rope_cache(args)
+    rebuild_rotary_table(model, buffer_device)
     for layer_id, block in model.layers.items():
         init_block(block, residual_output_std(args, int(layer_id)))
     if model.norm is not None:
         model.norm.reset_parameters()
-    final_std = args.dim**-0.5
-    cutoff = OUTPUT_CUTOFF_STDS * final_std
     if model.tok_embeddings is not None:
         if args.tie_embeddings:
-            nn.init.trunc_normal_(model.tok_embeddings.weight, mean=0.0, std=final_std, a=-cutoff, b=cutoff)
+            init_output(model.tok_embeddings.weight, args.dim)
         else:
             nn.init.normal_(model.tok_embeddings.weight)
     if model.output is not None and not args.tie_embeddings:
-        nn.init.trunc_normal_(model.output.weight, mean=0.0, std=final_std, a=-cutoff, b=cutoff)
+        init_output(model.output.weight, args.dim)

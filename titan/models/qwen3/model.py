@@ -10,16 +10,17 @@ the QK-norm weights (titan/checkpoint/hf.py).
 
 from torch import Tensor, nn
 
-from titan.models.llama.attention import Mask
-from titan.models.llama.model import Attention as LlamaAttention
-from titan.models.llama.model import FeedForward, RMSNorm
-from titan.models.llama.model import Transformer as LlamaTransformer
+from titan.models.common.attention import Attention as GroupedQueryAttention
+from titan.models.common.attention import Mask
+from titan.models.common.decoder import Decoder
+from titan.models.common.feed_forward import FeedForward
+from titan.models.common.moe import MoE
+from titan.models.common.norms import RMSNorm
 from titan.models.qwen3.args import Qwen3Args
-from titan.models.qwen3.moe import MoE
 
 
-class Attention(LlamaAttention):
-    """Llama's grouped-query attention with a head size of its own and each query and key head RMS-normalised before
+class Attention(GroupedQueryAttention):
+    """The shared grouped-query attention with a head size of its own and each query and key head RMS-normalised before
     the rotation (QK-norm)."""
 
     def __init__(self, args: Qwen3Args) -> None:
@@ -52,9 +53,9 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Transformer(LlamaTransformer):
-    """Qwen3 decoder: Llama's (embedding, rotary table, blocks, final norm, output and chunked loss, so the same
-    forward) with Qwen3's blocks, and with tie_embeddings one matrix for the embedding and the output."""
+class Transformer(Decoder):
+    """Qwen3 decoder: the shared decoder (embedding, rotary table, blocks, final norm, output and chunked loss, one
+    forward) of Qwen3's blocks, and with tie_embeddings one matrix for the embedding and the output."""
 
     def __init__(self, args: Qwen3Args) -> None:
         super().__init__(args, block=TransformerBlock)
@@ -67,8 +68,3 @@ def tie_output(model: nn.Module) -> None:
     to_empty(), which gives every module a tensor of its own, or after a stage that distributed them separately."""
     if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         model.output.weight = model.tok_embeddings.weight
-
-
-def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    """The mixture-of-experts layers of a model (or of a pipeline stage), by FQN."""
-    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}

@@ -1,17 +1,37 @@
-"""Qwen3-MoE's feed-forward: a token-choice top-k router over SwiGLU experts, the experts' grouped matmuls, and the
-two ways of keeping experts evenly loaded (a load-balancing loss, and DeepSeek-V3's auxiliary-loss-free bias).
+"""The mixture-of-experts feed-forward (Qwen3-MoE's): a token-choice top-k router over SwiGLU experts, the experts'
+grouped matmuls, and the two ways of keeping experts evenly loaded (a load-balancing loss, and DeepSeek-V3's
+auxiliary-loss-free bias).
 
 Tokens are sorted by expert before the experts run, so each expert's tokens are one contiguous block of rows and
 the experts' matmuls are one grouped matmul (`torch._grouped_mm`) where the device has it. A later stage may
 exchange those blocks between ranks (expert parallel replaces `moe.experts`); the router and the combine stay here.
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 
-from titan.models.qwen3.args import MoEArgs
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The mixture-of-experts feed-forward of a block: num_experts SwiGLU experts of hidden_dim units, of
+    which each token's router picks top_k."""
+
+    num_experts: int
+    top_k: int
+    hidden_dim: int
+    """Hidden units of one expert (HF's moe_intermediate_size)."""
+    norm_topk_prob: bool = True
+    """Rescale a token's top_k routing weights to sum to 1 (Qwen3-MoE does)."""
+    aux_loss_weight: float = 0.0
+    """Weight of each MoE layer's load-balancing loss in the gradient, per forward pass of the step (so the
+    weights of a step's micro-batches add up to the configured weight); 0: no such loss."""
+    load_balance_coeff: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each step moves every expert's routing bias by this much
+    towards balance; 0: no bias."""
 
 
 def grouped_mm_supported(x: Tensor) -> bool:
@@ -158,3 +178,8 @@ class MoE(nn.Module):
         if self.training and self.aux_loss_weight > 0:
             out = AddAuxiliaryLoss.apply(out, self.aux_loss_weight * load_balancing_loss(probs, counts))
         return out.view(bs, seq, dim)
+
+
+def moe_layers(model: nn.Module) -> dict[str, MoE]:
+    """The mixture-of-experts layers of a model (or of a pipeline stage), by FQN."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, MoE)}

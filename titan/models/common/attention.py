@@ -1,4 +1,4 @@
-"""The attention kernels of a Llama block, and the documents of a packed sequence they may keep apart.
+"""A decoder block's grouped-query attention, its kernels, and the documents of a packed sequence they may keep apart.
 
 Sequences are windows of documents packed back to back, each document ending with EOS (and starting with BOS where
 the tokenizer has one: Llama 3's does, Qwen3's doesn't, so the EOS is what marks a boundary). Causal attention lets a
@@ -8,7 +8,7 @@ token ids; the model takes them as inputs, so a later stage can shard them with 
 hand them to every pipeline stage.
 
 Each block's kernel is a parameter-free module, `attention.inner_attention`, and the model builds what the kernel
-reads once per forward (`Transformer.attention_mask`), shared by every block: a FlexAttention BlockMask, or for SDPA
+reads once per forward (`Decoder.attention_mask`), shared by every block: a FlexAttention BlockMask, or for SDPA
 a dense boolean mask. Context parallel replaces both.
 
 FlexAttention has no backward on CPU (torch 2.13 raises NotImplementedError), so CPU training masks documents with
@@ -17,19 +17,19 @@ SDPA and a dense mask (config/validate.py says so before step 1); on CUDA FlexAt
 
 from collections.abc import Callable
 from functools import cache
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from titan.models.common.args import AttnBackend, DecoderArgs
+from titan.models.common.rotary import apply_rotary_emb
+
 # torch.nn.attention.flex_attention imports dynamo and inductor (about 2 s): it is imported where a FlexAttention
 # kernel or mask is first used, so that a process that only checks a config (the launcher, `--help`) starts without it.
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
-
-AttnBackend = Literal["sdpa", "flex"]
-
 
 def document_layout(tokens: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
     """(positions, document ids) of token ids (bs, seq), each (bs, seq) int64: a document starts right after every
@@ -154,3 +154,34 @@ class AttentionMask(nn.Module):
 def build_inner_attention(backend: AttnBackend) -> nn.Module:
     """The attention kernel module of `backend`, for each block's `attention.inner_attention`."""
     return SDPAAttention() if backend == "sdpa" else FlexAttention()
+
+
+class Attention(nn.Module):
+    """Multi-head attention with grouped-query key/value heads and rotary positions, causal or block-causal
+    (args.attn_backend's kernel, `inner_attention`, under the mask Decoder.attention_mask builds)."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.inner_attention = build_inner_attention(args.attn_backend)
+
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """x (bs, seq, dim) -> q, k, v, each (bs, seq, its local heads, head_dim), before the rotation."""
+        bs, seq, _ = x.shape
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_heads, head_dim): -1 since TP may shard heads
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)  # (bs, seq, local_kv_heads, head_dim): -1, as for q
+        return q, k, v
+
+    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
+        bs, seq, _ = x.shape
+        q, k, v = self.heads(x)
+        q, k = apply_rotary_emb(q, rope_cache), apply_rotary_emb(k, rope_cache)
+        # SDPA wants heads before seq: (bs, local_heads, seq, head_dim).
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        out = out.transpose(1, 2).reshape(bs, seq, -1)  # (bs, seq, local_heads * head_dim)
+        return self.wo(out)

@@ -1,0 +1,55 @@
+"""The decoder every family builds: token embedding, rotary table, the family's blocks, final norm, output layer and
+chunked loss, in one forward. Pure math on plain nn.Linear / nn.Embedding, built on meta and filled by the family's
+init."""
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+
+from titan.models.common.args import DecoderArgs, padded_vocab_size
+from titan.models.common.attention import AttentionMask, sequence_positions
+from titan.models.common.loss import OutputLoss
+from titan.models.common.norms import RMSNorm
+from titan.models.common.rotary import RotaryEmbedding
+
+
+class Decoder(nn.Module):
+    """A decoder of `block`s, each built from args by the family (Llama's, Qwen3's), with an output layer of its own
+    (a family that ties it to the embedding does so after building).
+
+    The embedding and output have padded_vocab_size(vocab_size, vocab_size_multiple_of) rows so their
+    shapes split evenly. forward() returns logits over that padded vocab; the padded columns are
+    meaningless, so the losses and user_logits drop them.
+    """
+
+    def __init__(self, args: DecoderArgs, block: Callable[[Any], nn.Module]) -> None:
+        super().__init__()
+        self.args = args
+        self.vocab_size = args.vocab_size
+        padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
+        self.tok_embeddings = nn.Embedding(padded_vocab, args.dim)
+        self.rope = RotaryEmbedding(args)
+        self.layers = nn.ModuleDict({str(layer_id): block(args) for layer_id in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, padded_vocab, bias=False)
+        self.attention_mask = AttentionMask(args.attn_backend)
+        self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        """tokens (bs, seq) -> logits (bs, seq, padded_vocab); with labels (bs, seq), the summed loss of the valid
+        targets instead (output_loss), without the whole logits. positions (bs, seq): each token's rotary position
+        (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
+        causal over the sequence. attention.document_layout reads both from token ids."""
+        h = self.tok_embeddings(tokens)  # (bs, seq, dim)
+        rope = self.rope(sequence_positions(tokens) if positions is None else positions)
+        mask = self.attention_mask(h, document_ids)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        h = self.norm(h)
+        return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
+
+    def user_logits(self, tokens: Tensor) -> Tensor:
+        """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""
+        return self(tokens)[..., : self.vocab_size]

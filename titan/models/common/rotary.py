@@ -1,0 +1,66 @@
+"""Rotary position embeddings in Meta's layout: adjacent channels (2i, 2i+1) of each head form one rotated pair.
+Hugging Face checkpoints use the rotate-half layout, so importing them permutes the rows of the query and key
+projections (titan/checkpoint/hf.py)."""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from titan.models.common.args import DecoderArgs, RopeScaling
+
+
+def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
+    """Llama 3.1 long-context scaling (llama-models `apply_scaling`): keep high frequencies, divide low
+    ones by `factor`, and interpolate between them by wavelength."""
+    context = scaling.original_max_position_embeddings
+    wavelen = 2 * math.pi / freqs
+    smooth = (context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * freqs / scaling.factor + smooth * freqs
+    low_scaled = torch.where(wavelen > context / scaling.low_freq_factor, freqs / scaling.factor, interpolated)
+    return torch.where(wavelen < context / scaling.high_freq_factor, freqs, low_scaled)
+
+
+def precompute_rope_cache(args: DecoderArgs) -> Tensor:
+    """cos and sin of position * freq for every position up to max_seq_len and every channel pair of a head:
+    fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
+    Real tables rather than Meta's complex e^(i * position * freq): inductor generates no code for complex ops."""
+    head_dim = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if args.rope_scaling is not None:
+        freqs = scale_rope_frequencies(freqs, args.rope_scaling)
+    positions = torch.arange(args.max_seq_len, dtype=torch.float32)
+    angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # (max_seq_len, head_dim // 2, 2)
+
+
+class RotaryEmbedding(nn.Module):
+    """The rotary table of precompute_rope_cache, read by token position: the model's input positions (restarting at
+    each document under block-causal attention, this rank's rows under context parallel), or 0 .. seq - 1. A
+    module, so that its table moves and materialises with the model (init_weights rebuilds it)."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        # Not persistent: it is a function of args, so checkpoints needn't carry it; init_weights rebuilds it.
+        self.register_buffer("cache", precompute_rope_cache(args), persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        """positions (seq,) or (bs, seq) -> their rows of the table, (seq, head_dim // 2, 2) or
+        (bs, seq, head_dim // 2, 2)."""
+        return self.cache[positions]
+
+
+def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
+    """Rotate each channel pair (2i, 2i+1) of x (bs, seq, heads, head_dim) by its position's angle, in fp32:
+    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals. rope_cache: the rows of
+    each sample's positions (bs, seq, head_dim // 2, 2), or rows shared by every sample whose first seq rows are
+    x's positions (RotaryEmbedding's output for (seq,) positions, or a whole table for positions 0 .. seq - 1)."""
+    bs, seq, heads, head_dim = x.shape
+    # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
+    first, second = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
+    # Each (bs or 1, seq, 1, head_dim // 2): the same rotation for every head.
+    rows = rope_cache if rope_cache.dim() == 4 else rope_cache[None, :seq]  # (bs or 1, seq, head_dim // 2, 2)
+    cos, sin = rows.unsqueeze(2).unbind(-1)
+    rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
+    return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
