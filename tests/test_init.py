@@ -8,7 +8,6 @@ from torch import nn
 from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.parallel.init import needs_full_init
-from titan.parallel.pp import StageModel
 
 ARGS: ModelArgs = LLAMA3_FLAVORS["debugmodel"]
 
@@ -25,8 +24,9 @@ def test_a_pipeline_stage_initialised_alone_draws_another_blocks_numbers() -> No
     output) initialised from the seed by itself draws, for block 3, the numbers a single process draws for the
     embedding and block 0, so its weights are not the single process's."""
     full = seeded_init(Transformer(ARGS))
-    stage = seeded_init(StageModel(ARGS, {str(i): Transformer(ARGS).layers[str(i)] for i in (3, 4, 5)},
-                                   norm=nn.RMSNorm(ARGS.dim), output=nn.Linear(ARGS.dim, ARGS.vocab_size, bias=False)))
+    model = Transformer(ARGS)
+    stage = seeded_init(model.part({str(i): model.layers[str(i)] for i in (3, 4, 5)}, tok_embeddings=None,
+                                   norm=model.norm, output=model.output))
     assert not torch.equal(stage.layers["3"].attention.wq.weight, full.layers["3"].attention.wq.weight)
 
 

@@ -13,68 +13,32 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
-from titan.models.common.attention import AttentionMask
 from titan.models.common.batch import MicroBatch
-from titan.models.common.loss import OutputLoss
-from titan.models.common.rotary import RotaryEmbedding
 from titan.parallel.reductions import as_local
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
 StageExamples = list[tuple[Tensor, Tensor]]
 
 
-class StageModel(nn.Module):
-    """The parts of a Transformer (any family's: `args` is its shape) that one pipeline stage runs, under the full
-    model's FQNs (layers.<id>, tok_embeddings, norm, output), so checkpoints do not depend on the layout. The first
-    stage takes token ids (bs, seq), the last returns logits (bs, seq, padded_vocab) or, given labels, the summed loss
-    (output_loss), the others take and return hidden states (bs, seq, dim). Every stage also takes the tokens' positions
-    and document ids (Transformer.forward), which the schedule hands each stage. Absent parts are None. Every stage has
-    its own rotary table, attention mask and output loss (new ones when not given), which later stages may replace."""
-
-    def __init__(self, args: object, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None = None,
-                 norm: nn.Module | None = None, output: nn.Module | None = None,
-                 rope: RotaryEmbedding | None = None) -> None:
-        super().__init__()
-        self.args = args
-        self.tok_embeddings = tok_embeddings
-        self.rope = rope if rope is not None else RotaryEmbedding(args)
-        self.layers = nn.ModuleDict(layers)
-        self.norm = norm
-        self.output = output
-        self.attention_mask = AttentionMask(args.attn_backend)
-        self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
-
-    def forward(self, x: Tensor, positions: Tensor, document_ids: Tensor | None = None,
-                labels: Tensor | None = None) -> Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope = self.rope(positions)
-        mask = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
-        if self.output is None:
-            return h
-        h = self.norm(h)
-        return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
-
-
-def build_stage_models(model: nn.Module, plan: StagePlan, ids: tuple[int, ...]) -> list[StageModel]:
-    """The stages `ids` of `model` (still on meta), sharing its modules: each block goes to exactly one stage."""
+def build_stage_models(model: nn.Module, plan: StagePlan, ids: tuple[int, ...]) -> list[nn.Module]:
+    """The stages `ids` of `model` (still on meta), parts of it (the family's `part`: its forward, skipping what a
+    stage does not hold) that share its modules: each block goes to exactly one stage."""
     last = plan.num_stages - 1
     with torch.device("meta"):
-        return [StageModel(model.args, {str(i): model.layers[str(i)] for i in plan.blocks[stage]},
+        return [model.part({str(i): model.layers[str(i)] for i in plan.blocks[stage]},
                            tok_embeddings=model.tok_embeddings if stage == 0 else None,
                            norm=model.norm if stage == last else None, output=model.output if stage == last else None)
                 for stage in ids]
 
 
-def merge_stage_models(parts: list[StageModel]) -> StageModel:
-    """One module over every part this rank holds, for what needs the rank's whole share by FQN (state dicts,
-    the optimizer, gradient norms); never called."""
+def merge_stage_models(model: nn.Module, parts: list[nn.Module]) -> nn.Module:
+    """One part of `model` (its class before any stage was parallelized) over every stage this rank holds, for what
+    needs the rank's whole share by FQN (state dicts, the optimizer, gradient norms); never called."""
     def present(name: str) -> nn.Module | None:
         return next((getattr(part, name) for part in parts if getattr(part, name) is not None), None)
 
     layers = {layer_id: block for part in parts for layer_id, block in part.layers.items()}
-    return StageModel(parts[0].args, layers, tok_embeddings=present("tok_embeddings"), norm=present("norm"),
+    return model.part(layers, tok_embeddings=present("tok_embeddings"), norm=present("norm"),
                       output=present("output"), rope=parts[0].rope)
 
 
@@ -82,8 +46,10 @@ def merge_stage_models(parts: list[StageModel]) -> StageModel:
 class Pipeline:
     """This rank's pipeline stages and the schedule that runs them, forward and backward, over one local batch."""
 
-    parts: list[StageModel]
+    parts: list[nn.Module]
     """This rank's stage modules, in pipeline order."""
+    model: nn.Module
+    """Every stage of this rank as one module (merge_stage_models)."""
     stage_ids: tuple[int, ...]
     num_stages: int
     num_microbatches: int
@@ -176,8 +142,8 @@ def build_pipeline(model: nn.Module, pp_mesh: DeviceMesh, par: Parallelism, loca
     parts = build_stage_models(model, plan, ids)
     for part in parts:
         parallelize(part)
-    pipeline = Pipeline(parts=parts, stage_ids=ids, num_stages=num_stages, num_microbatches=num_microbatches,
-                        schedule_name=schedule_name, pp_mesh=pp_mesh, device=device)
+    pipeline = Pipeline(parts=parts, model=merge_stage_models(model, parts), stage_ids=ids, num_stages=num_stages,
+                        num_microbatches=num_microbatches, schedule_name=schedule_name, pp_mesh=pp_mesh, device=device)
     pipeline.schedule = build_schedule(pipeline, stage_examples(shapes, ids, num_stages))
     return pipeline
 

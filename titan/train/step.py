@@ -31,7 +31,7 @@ from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.fsdp import apply_to_empty
 from titan.parallel.init import apply_full_init, full_copy_fits, needs_full_init
 from titan.parallel.plans import PARALLELIZE_PLANS
-from titan.parallel.pp import Pipeline, StageShapes, build_pipeline, merge_stage_models
+from titan.parallel.pp import Pipeline, StageShapes, build_pipeline
 from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
 from titan.parallel.tp import loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
@@ -325,7 +325,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, famil
                              residual_dtype=residual_dtype)
         pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, device,
                                   parallelize, shapes)
-        parts, whole = pipeline.parts, merge_stage_models(pipeline.parts)
+        parts, whole = pipeline.parts, pipeline.model
     else:
         parallelize(model)
         pipeline, parts, whole = None, [model], model

@@ -25,28 +25,52 @@ class Decoder(nn.Module):
 
     def __init__(self, args: DecoderArgs, block: Callable[[Any], nn.Module]) -> None:
         super().__init__()
+        padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
+        self.assemble(args, tok_embeddings=nn.Embedding(padded_vocab, args.dim),
+                      layers={str(layer_id): block(args) for layer_id in range(args.n_layers)},
+                      norm=RMSNorm(args.dim, eps=args.norm_eps), output=nn.Linear(args.dim, padded_vocab, bias=False))
+
+    def assemble(self, args: DecoderArgs, tok_embeddings: nn.Module | None, layers: dict[str, nn.Module],
+                 norm: nn.Module | None, output: nn.Module | None, rope: RotaryEmbedding | None = None) -> None:
+        """Hold these parts (absent ones None), with a rotary table (a new one unless given), attention mask and
+        output loss of its own, in the order that names the state dict's entries."""
         self.args = args
         self.vocab_size = args.vocab_size
-        padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
-        self.tok_embeddings = nn.Embedding(padded_vocab, args.dim)
-        self.rope = RotaryEmbedding(args)
-        self.layers = nn.ModuleDict({str(layer_id): block(args) for layer_id in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, padded_vocab, bias=False)
+        self.tok_embeddings = tok_embeddings
+        self.rope = rope if rope is not None else RotaryEmbedding(args)
+        self.layers = nn.ModuleDict(layers)
+        self.norm = norm
+        self.output = output
         self.attention_mask = AttentionMask(args.attn_backend)
         self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
+
+    def part(self, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None, norm: nn.Module | None,
+             output: nn.Module | None, rope: RotaryEmbedding | None = None) -> "Decoder":
+        """A decoder of this one's class and args that holds the given modules, under the whole model's FQNs: a
+        pipeline stage (some blocks; the embedding on the first, the final norm and output on the last), or a rank's
+        stages together. It shares the modules, and its forward is the model's, skipping what it does not hold. Its
+        rotary table (unless given), attention mask and output loss are new ones, on the current default device,
+        which later stages may replace."""
+        part = type(self).__new__(type(self))
+        nn.Module.__init__(part)
+        part.assemble(self.args, tok_embeddings, layers, norm, output, rope)
+        return part
 
     def forward(self, tokens: Tensor, positions: Tensor | None = None, document_ids: Tensor | None = None,
                 labels: Tensor | None = None) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, padded_vocab); with labels (bs, seq), the summed loss of the valid
         targets instead (output_loss), without the whole logits. positions (bs, seq): each token's rotary position
         (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
-        causal over the sequence. attention.document_layout reads both from token ids."""
-        h = self.tok_embeddings(tokens)  # (bs, seq, dim)
+        causal over the sequence. attention.document_layout reads both from token ids. A part without the embedding
+        (a later pipeline stage) takes hidden states (bs, seq, dim) and their positions instead of tokens; one
+        without the output returns its hidden states."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seq, dim)
         rope = self.rope(sequence_positions(tokens) if positions is None else positions)
-        mask = self.attention_mask(h, document_ids)
+        mask = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape under TP
         for layer in self.layers.values():
             h = layer(h, rope, mask)
+        if self.output is None:
+            return h
         h = self.norm(h)
         return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
 
