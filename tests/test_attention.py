@@ -175,7 +175,7 @@ def test_selective_ac_saves_flex_attention() -> None:
 
 
 def test_compiled_flex_blocks_match_sdpa() -> None:
-    """FlexAttention inside compiled blocks, as --training.compile runs it (forward: CPU has no backward)."""
+    """FlexAttention inside compiled blocks, as --compile.enable runs it (forward: CPU has no backward)."""
     tokens = torch.cat([packed_row(LAYOUTS["many documents"]), packed_row(LAYOUTS["two documents"])])
     flex, sdpa = build("flex"), build("sdpa")
     for block in flex.layers.values():

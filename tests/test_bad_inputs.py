@@ -417,7 +417,7 @@ def test_launcher_help_shows_titans_fields() -> None:
 
 @pytest.mark.parametrize("value, on", [("true", True), ("True", True), ("false", False), ("FALSE", False)])
 def test_switches_take_toml_style_values(value: str, on: bool) -> None:
-    assert parse_args(["--training.compile", value]).training.compile is on
+    assert parse_args(["--compile.enable", value]).compile.enable is on
     assert parse_args([f"--checkpoint.enable={value}"]).checkpoint.enable is on
 
 

@@ -35,16 +35,31 @@ def test_defaults_then_toml_then_cli(tmp_path: Path) -> None:
 
 def test_torchtitan_spellings_parse() -> None:
     cfg = parse_args([
-        "--training.steps", "50", "--training.compile", "--model.converters", "mx", "--model.print_after_conversion",
+        "--training.steps", "50", "--compile.enable", "--model.converters", "mx", "--model.print_after_conversion",
         "--optimizer.lr", "3e-4", "--training.local_batch_size", "4", "--training.seq_len", "512",
         "--training.max_norm", "0.5", "--model.flavor", "1B", "--job.dump_folder", "/tmp/x",
         "--metrics.log_freq", "5", "--metrics.enable_tensorboard",
     ])
-    assert cfg.training.steps == 50 and cfg.training.compile and cfg.model.print_after_conversion
+    assert cfg.training.steps == 50 and cfg.compile.enable and cfg.model.print_after_conversion
     assert cfg.model.converters == ["mx"]
     assert cfg.optimizer.lr == 3e-4 and cfg.training.local_batch_size == 4 and cfg.training.seq_len == 512
     assert cfg.training.max_norm == 0.5 and cfg.model.flavor == "1B" and cfg.job.dump_folder == "/tmp/x"
     assert cfg.metrics.log_freq == 5 and cfg.metrics.enable_tensorboard
+
+
+@pytest.mark.parametrize("flags, enabled", [
+    (["--training.compile"], True), (["--training.compile", "false"], False), (["--training.compile=true"], True),
+    (["--compile.enable", "--training.no_compile"], False),
+])
+def test_training_compile_is_an_alias_of_compile_enable(flags: list[str], enabled: bool, tmp_path: Path) -> None:
+    """Titan's earlier spelling, on the command line and in a TOML file, sets torchtitan's; both in one file is an
+    error naming both."""
+    assert parse_args(flags).compile.enable is enabled
+    (tmp_path / "alias.toml").write_text(f"[training]\ncompile = {str(enabled).lower()}\n")
+    assert load_toml(tmp_path / "alias.toml").compile.enable is enabled
+    (tmp_path / "both.toml").write_text("[training]\ncompile = true\n[compile]\nenable = false\n")
+    with pytest.raises(ConfigError, match=r"\[training\] compile and \[compile\] enable are one field"):
+        load_toml(tmp_path / "both.toml")
 
 
 @pytest.mark.parametrize("args", [["float8", "mx"], ["float8,mx"], ["float8, mx"]])
@@ -123,6 +138,7 @@ def test_help_lists_every_field_with_its_doc(capsys: pytest.CaptureFixture) -> N
         for f in dataclasses.fields(section.type):
             assert f"--{section.name}.{f.name}" in text, f"--{section.name}.{f.name} missing from --help"
     assert "Peak learning rate" in text
+    assert "--training.compile, Titan's earlier spelling, is an alias" in text
 
 
 def problems_for(*args: str, world_size: int = 1, accelerator: Accelerator | None = None) -> list[str]:

@@ -202,7 +202,7 @@ def test_torchtitan_gets_titans_1b_job(tmp_path: Path, monkeypatch: pytest.Monke
     training = config.training
     assert (training.local_batch_size, training.seq_len, training.mixed_precision_param, training.max_norm) == (
         cfg.training.local_batch_size, cfg.training.seq_len, cfg.training.mixed_precision_param, cfg.training.max_norm)
-    assert training.steps == gpu_check.RUN_1B_STEPS and not config.compile.enable and not cfg.training.compile
+    assert training.steps == gpu_check.RUN_1B_STEPS and not config.compile.enable and not cfg.compile.enable
     optimizer = config.optimizer.param_groups[0].optimizer_kwargs
     assert (optimizer["lr"], optimizer["betas"], optimizer["eps"], optimizer["weight_decay"]) == (
         cfg.optimizer.lr, (cfg.optimizer.beta1, cfg.optimizer.beta2), cfg.optimizer.eps, cfg.optimizer.weight_decay)

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import logging
 import math
 import re
 import time
@@ -38,6 +39,12 @@ def build_trainer(tmp_path: Path, *args: str) -> Trainer:
 
 def read_metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_job_description_is_logged_at_startup(tmp_path: Path,
+                                                  titan_records: list[logging.LogRecord]) -> None:
+    build_trainer(tmp_path, "--job.description", "ablation 3: no weight decay")
+    assert "Job: ablation 3: no weight decay (--job.description)" in [r.getMessage() for r in titan_records]
 
 
 def test_loss_falls_on_shipped_corpus(tmp_path: Path) -> None:

@@ -188,8 +188,6 @@ class Training:
     """Dtype that matmuls and activations run in. float32 turns mixed precision off."""
     mixed_precision_reduce: DTypeName = "float32"
     """Dtype of gradient reduction across data-parallel ranks."""
-    compile: bool = False
-    """torch.compile each transformer block and the loss."""
     enable_cpu_offload: bool = False
     """Keep FSDP's sharded parameters, their gradients and the optimizer state in host memory (torch's
     CPUOffloadPolicy): each block's shard is copied to the GPU for its all-gather, gradients are copied back, and the
@@ -327,7 +325,7 @@ class Parallelism:
     """With tensor parallel, gather the vocab-sharded logits before the loss instead of computing the loss
     on the shards (more memory and traffic; for debugging)."""
     enable_async_tensor_parallel: bool = False
-    """Overlap tensor-parallel communication with matmuls (micro-pipelining). Needs CUDA and --training.compile."""
+    """Overlap tensor-parallel communication with matmuls (micro-pipelining). Needs CUDA and --compile.enable."""
     pipeline_parallel_degree: Count = 1
     """Ranks that each hold a slice of the layers (pipeline stages) and pass activations on to the next. The
     outermost dimension: it communicates least, so it is the one to span nodes. 1: no pipeline."""
@@ -373,7 +371,7 @@ class ActivationCheckpoint:
     checkpointed block about one more tensor the size of the block's input, (batch, seq, dim); three with tensor
     parallel. false recomputes everything: the least memory, e.g. for very long contexts. Selective "op" always
     keeps them. In eager mode on a GPU blocks recompute attention whatever this says: keeping it there runs a Python
-    dispatch mode over every op of the block, which costs more than it saves (--training.compile keeps it)."""
+    dispatch mode over every op of the block, which costs more than it saves (--compile.enable keeps it)."""
 
 
 @dataclass
@@ -463,6 +461,9 @@ class MX:
 
 @dataclass
 class Compile:
+    enable: bool = False
+    """torch.compile each transformer block and the loss. --training.compile, Titan's earlier spelling, is an alias
+    of this field (on the command line, and as [training] compile in a TOML file)."""
     emulate_precision_casts: bool = False
     """Make inductor round intermediates to their dtype as eager does (inductor's emulate_precision_casts).
     Fixes NaN losses seen with float8 rowwise + torch.compile + RMSNorm; slightly slower."""

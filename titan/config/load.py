@@ -24,8 +24,11 @@ else:
 CONFIG_FILE_FLAGS = ("--job.config_file", "--job.config-file")
 # How users reach Titan's flags; tyro names it in usage lines and in "For full helptext, run ... --help".
 PROGRAM = "./run_train.sh"
-# Values a switch accepts when a user writes it TOML-style (`--training.compile true`).
+# Values a switch accepts when a user writes it TOML-style (`--compile.enable true`).
 SWITCH_VALUES = {"true": True, "false": False}
+FLAG_ALIASES = {"--training.compile": "--compile.enable"}
+"""Earlier spellings of a field's flag -> its flag: each reads the same on the command line (with its off switch,
+--training.no_compile) and as a TOML key ([training] compile)."""
 
 
 def field_docstrings(section: type) -> dict[str, str]:
@@ -65,16 +68,27 @@ def parse_args(argv: list[str], program: str = PROGRAM) -> JobConfig:
         check_flag_names(argv, program)
     config_file = find_config_file(argv)
     base = load_toml(Path(config_file)) if config_file else JobConfig()
-    cfg = tyro.cli(JobConfig, args=switches_without_values(argv), default=base, use_underscores=True, prog=program,
-                   description=DESCRIPTION)
+    cfg = tyro.cli(JobConfig, args=with_flag_aliases(switches_without_values(argv)), default=base,
+                   use_underscores=True, prog=program, description=DESCRIPTION)
     split_comma_lists(cfg)
     return cfg
 
 
 def switch_flags() -> set[str]:
-    """`--section.name` of every boolean field."""
-    return {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
-            for name, hint in typing.get_type_hints(section.type).items() if hint is bool}
+    """`--section.name` of every boolean field, and of every alias of one."""
+    flags = {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
+             for name, hint in typing.get_type_hints(section.type).items() if hint is bool}
+    return flags | {alias for alias, flag in FLAG_ALIASES.items() if flag in flags}
+
+
+def with_flag_aliases(argv: list[str]) -> list[str]:
+    """`argv` with every alias (FLAG_ALIASES), and its off switch, written as the field's own flag."""
+    aliases = {**FLAG_ALIASES, **{negated(alias): negated(flag) for alias, flag in FLAG_ALIASES.items()}}
+    rewritten = []
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        rewritten.append(aliases[name] + sep + value if name in aliases else arg)
+    return rewritten
 
 
 def switches_without_values(argv: list[str]) -> list[str]:
@@ -100,7 +114,7 @@ def switches_without_values(argv: list[str]) -> list[str]:
 
 
 def negated(flag: str) -> str:
-    """tyro's off switch for a boolean flag: --training.compile -> --training.no_compile."""
+    """tyro's off switch for a boolean flag: --compile.enable -> --compile.no_enable."""
     section, name = flag.removeprefix("--").split(".", 1)
     return f"--{section}.no_{name}"
 
@@ -122,6 +136,7 @@ def load_toml(path: Path) -> JobConfig:
     """Read a TOML job file into a JobConfig, reporting every unknown name and wrong type at once."""
     data = read_toml(path)
     problems: list[str] = []
+    move_aliased_keys(data, path, problems)
     sections = {}
     section_types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
     for section_name, table in data.items():
@@ -137,6 +152,26 @@ def load_toml(path: Path) -> JobConfig:
     cfg = JobConfig(**sections)
     cfg.job.config_file = str(path)
     return cfg
+
+
+def move_aliased_keys(data: dict[str, Any], path: Path, problems: list[str]) -> None:
+    """Move each aliased key of a TOML job file ([training] compile) to its field's table ([compile] enable);
+    both at once is a problem appended to `problems`."""
+    for alias, flag in FLAG_ALIASES.items():
+        (alias_table, alias_key), (table, key) = (name.removeprefix("--").split(".", 1) for name in (alias, flag))
+        if not isinstance(data.get(alias_table), dict) or alias_key not in data[alias_table]:
+            continue
+        value = data[alias_table].pop(alias_key)
+        section = next(f.type for f in dataclasses.fields(JobConfig) if f.name == table)
+        _, expected = convert_value(value, typing.get_type_hints(section)[key])
+        target = data.setdefault(table, {})
+        if expected is not None:  # named as the user wrote it
+            problems.append(f"{path}: [{alias_table}] {alias_key} = {value!r} must be {expected}.")
+        elif isinstance(target, dict) and key in target:
+            problems.append(f"{path}: [{alias_table}] {alias_key} and [{table}] {key} are one field ({flag}, of "
+                            f"which {alias} is an alias): keep one.")
+        elif isinstance(target, dict):
+            target[key] = value
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -266,7 +301,7 @@ def check_flag_names(argv: list[str], program: str) -> None:
     """Raise one ConfigError naming every `--section.field` flag that is not Titan's, with the nearest ones."""
     known = {f"--{section.name}.{name}" for section in dataclasses.fields(JobConfig)
              for name in typing.get_type_hints(section.type)}
-    known |= {negated(flag) for flag in switch_flags()}
+    known |= set(FLAG_ALIASES) | {negated(flag) for flag in switch_flags()}
     problems = []
     for arg in argv:
         flag = arg.partition("=")[0]

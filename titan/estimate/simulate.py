@@ -36,6 +36,7 @@ from titan.models.families import FAMILIES
 from titan.models.llama.args import LLAMA3_BOS_ID
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.pp import declare_static_shapes
+from titan.parallel.shards import local_shard
 from titan.train.anomalies import skips_update
 from titan.train.step import TrainingStep, build_training_step
 
@@ -148,17 +149,11 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
     return DryRunResult(
         rank=rank, world_size=d.world_size, layout=layout, stages=stages, num_params=model_parts.num_params,
         num_active_params=model_parts.num_active_params,
-        local_params=sum(local_numel(p) for p in training.model.parameters()),
+        local_params=sum(local_shard(p).numel() for p in training.model.parameters()),
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
         memory=memory_peak(recorder, host_memory),
         ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
         micro_batches=training.grad_accumulation_steps, data=data)
-
-
-def local_numel(param: torch.Tensor) -> int:
-    """Elements this rank holds of a parameter (its local shard for a DTensor)."""
-    local = getattr(param, "_local_tensor", param)
-    return local.numel()
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from titan.metrics.log import logger
 # Matmuls are kept every other call (see selective_policy); attention and TP reductions always, also in fully
 # checkpointed blocks with save_attention. FlexAttention reaches the policy as torch's flex_attention higher-order
 # op (torch/_higher_order_ops/flex_attention.py redirects it to the selective-checkpoint modes) where a compiled
-# block traces it (--training.compile) and where it runs eagerly (CPU); torchtitan's _op_sac_save_list keeps it too.
+# block traces it (--compile.enable) and where it runs eagerly (CPU); torchtitan's _op_sac_save_list keeps it too.
 # Eager blocks on CUDA call it as a compiled region of its own, whose kernels no dispatch mode sees.
 SAVE_ALWAYS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

@@ -49,13 +49,13 @@ def apply_block_wrappers(model: nn.Module, dims: ParallelDims, meshes: Meshes | 
         apply_ac(model, ac.mode, ac.selective_ac_option, save_attention=keep_attention)
         if keep_attention != ac.save_attention and not saves_by_op(ac.mode, ac.selective_ac_option):
             logger.info("Checkpointed blocks recompute attention: keeping it costs more than it saves in eager mode "
-                        "on a GPU (--training.compile keeps it at no run-time cost).")
+                        "on a GPU (--compile.enable keeps it at no run-time cost).")
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
-    if train.compile:
+    if compile_cfg.enable:
         apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts, fullgraph=fullgraph)
     else:
-        logger.info("torch.compile: off (--training.compile to turn it on)")
+        logger.info("torch.compile: off (--compile.enable to turn it on)")
 
 
 def apply_data_parallel_step(model: nn.Module, dims: ParallelDims, meshes: Meshes | None, par: Parallelism,

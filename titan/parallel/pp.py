@@ -14,7 +14,7 @@ from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.metrics.log import logger
 from titan.models.common.batch import MicroBatch
-from titan.parallel.reductions import as_local
+from titan.parallel.reductions import full_value
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
 StageExamples = list[tuple[Tensor, Tensor]]
@@ -93,7 +93,7 @@ class Pipeline:
             return_outputs=False, **kwargs)
         if not self.holds_last_stage:
             return torch.zeros((), device=self.device)
-        return sum(as_local(loss.detach()) for loss in losses)
+        return sum(full_value(loss.detach()) for loss in losses)
 
     def scaled_loss(self, loss_sum: Tensor, labels: Tensor) -> Tensor:
         """The schedule's loss function: the last stage already returns a micro-batch's summed loss (from the

@@ -39,8 +39,9 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter], max_norm: float, pp_mesh
     return total_norm
 
 
-def as_local(loss: Tensor) -> Tensor:
-    """Under loss parallel the loss is a replicated DTensor; sums of losses stay plain tensors."""
+def full_value(loss: Tensor) -> Tensor:
+    """The whole value of a loss as a plain tensor: under loss parallel the loss is a replicated DTensor (its
+    full_tensor()); sums of losses are plain tensors already."""
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 

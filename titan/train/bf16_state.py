@@ -29,6 +29,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
+from titan.parallel.shards import local_shard
+
 MASK_32 = 0xFFFFFFFF
 
 
@@ -58,11 +60,6 @@ def round_with(values: Tensor, random_bits: Tensor) -> Tensor:
     toward_zero = bits & -0x10000  # the upper 16 bits: sign, exponent and bfloat16's 7 mantissa bits
     rounded = torch.where(random_bits < (bits & 0xFFFF), toward_zero + 0x10000, toward_zero)
     return rounded.view(torch.float32).bfloat16()
-
-
-def local(tensor: Tensor) -> Tensor:
-    """This rank's shard of a sharded (DTensor) parameter, gradient or state, sharing its storage."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def matching_layout(grad: Tensor, param: Tensor) -> Tensor:
@@ -130,7 +127,7 @@ class BF16StateAdam(torch.optim.Optimizer):
     def state_of(self, param: Tensor) -> dict[str, Tensor]:
         state = self.state[param]
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=local(param).device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_shard(param).device)
             state["exp_avg"] = torch.zeros_like(param, dtype=self.state_dtype)
             state["exp_avg_sq"] = torch.zeros_like(param, dtype=self.state_dtype)
         return state
@@ -144,8 +141,9 @@ class BF16StateAdam(torch.optim.Optimizer):
                 continue
             state = self.state_of(param)
             # flat views of the (contiguous) shards: one compiled kernel for every shape and rank of tensor
-            weights, grad = local(param).view(-1), local(matching_layout(param.grad, param)).view(-1).float()
-            exp_avg, exp_avg_sq = local(state["exp_avg"]).view(-1), local(state["exp_avg_sq"]).view(-1)
+            weights = local_shard(param).view(-1)
+            grad = local_shard(matching_layout(param.grad, param)).view(-1).float()
+            exp_avg, exp_avg_sq = local_shard(state["exp_avg"]).view(-1), local_shard(state["exp_avg_sq"]).view(-1)
             # whether to apply the update: a flag on the device, never read on the host
             apply = torch.ones((), dtype=torch.bool, device=weights.device) if found_inf is None else found_inf == 0
             update = adam_update if is_fake(weights) else compiled_adam_update()

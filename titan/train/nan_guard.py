@@ -36,7 +36,7 @@ def stop_hints(converters: list[str], compile_enabled: bool, max_norm: float) ->
         hints.append(f"run once without --model.converters {','.join(converters)} to see whether low precision "
                      f"causes it")
         if compile_enabled:
-            hints.append("with low precision and --training.compile, RMSNorm's precision casts can differ from eager: "
+            hints.append("with low precision and --compile.enable, RMSNorm's precision casts can differ from eager: "
                          "try --compile.emulate_precision_casts (or TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1)")
     return hints
 

@@ -32,10 +32,10 @@ from titan.parallel.fsdp import apply_to_empty
 from titan.parallel.init import apply_full_init, full_copy_fits, needs_full_init
 from titan.parallel.plans import PARALLELIZE_PLANS
 from titan.parallel.pp import Pipeline, StageShapes, build_pipeline
-from titan.parallel.reductions import as_local, clip_grad_norm_, loss_sum
+from titan.parallel.reductions import clip_grad_norm_, full_value, loss_sum
+from titan.parallel.shards import local_shard
 from titan.parallel.tp import loss_parallel_context
 from titan.quant.convert import Conversion, apply_converters
-from titan.train.bf16_state import local
 from titan.train.expert_balance import NO_EXPERT_METRICS, ExpertBalancer, build_expert_balancer
 from titan.train.lr import build_lr_scheduler
 from titan.train.optim import build_optimizer
@@ -147,7 +147,7 @@ class TrainingStep:
             with self.autocast():
                 loss = self.model(micro_batch.inputs, labels=micro_batch.labels, **micro_batch.model_inputs()) * scale
             loss.backward()
-        return as_local(loss.detach())
+        return full_value(loss.detach())
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision without FSDP: matmuls in --training.mixed_precision_param (FSDP casts parameters
@@ -178,7 +178,7 @@ class TrainingStep:
     def update_device(self) -> torch.device:
         """Where the optimizer updates the parameters (the host under CPU offload)."""
         param = next(self.model.parameters())
-        return local(param).device
+        return local_shard(param).device
 
     @property
     def skips_on_device(self) -> bool:
@@ -230,7 +230,7 @@ class TrainingStep:
                     return loss_sum, torch.zeros((), device=self.device)
             else:
                 with self.autocast():
-                    loss_sum = as_local(self.model(micro_batch.inputs, labels=micro_batch.labels,
+                    loss_sum = full_value(self.model(micro_batch.inputs, labels=micro_batch.labels,
                                                    **micro_batch.model_inputs()))
         return loss_sum, num_valid_targets(micro_batch.labels).float()
 
@@ -245,7 +245,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
     rank would with the requested compile setting."""
     meshes = build_meshes(dims, device)
     set_seed(cfg.training.seed, cfg.training.deterministic and fake_mode is None)
-    training = cfg.training if fake_mode is None else replace(cfg.training, compile=False)
+    compile_cfg = cfg.compile if fake_mode is None else replace(cfg.compile, enable=False)
     attn_backend, block_causal = cfg.model.attn_backend, cfg.model.attn_mask_type == "block_causal"
     if fake_mode is not None and attn_backend == "flex":
         # A FlexAttention block mask is built from the batch's values, which fake tensors have none of. Causal flash
@@ -263,10 +263,10 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
         moe_load_balance_coeff=cfg.moe.load_balance_coeff))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-    keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.training.compile,
+    keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.compile.enable,
                                      on_gpu=device.type == "cuda")
     parallelize = functools.partial(PARALLELIZE_PLANS[family.name], dims=dims, meshes=meshes, par=cfg.parallelism,
-                                    ac=cfg.activation_checkpoint, train=training, compile_cfg=cfg.compile,
+                                    ac=cfg.activation_checkpoint, train=cfg.training, compile_cfg=compile_cfg,
                                     keep_attention=keep_attention,
                                     block_causal=block_causal)
     model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
@@ -280,7 +280,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         model_parts.model.train()
         optimizer = build_optimizer(model_parts.model, cfg.optimizer)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    return TrainingStep(train_cfg=training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
+    return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
                         eos_id=eos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
                         balancer=build_expert_balancer(model_parts.model, cfg.moe.load_balance_coeff,

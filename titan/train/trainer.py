@@ -86,6 +86,7 @@ class Trainer:
         self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder, world_size)
         init_distributed(cfg.comm, self.device, self.dims, self.dump_folder,
                          cpu_collectives=cfg.training.enable_cpu_offload)
+        logger.info(f"Job: {cfg.job.description} (--job.description)")
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
                                             self.tokenizer.eos_id)
@@ -107,7 +108,7 @@ class Trainer:
         self.run_id = resumed.run_id or uuid.uuid4().hex[:12]
         self.sinks = build_sinks(cfg.metrics, self.dump_folder, self.rank, dataclasses.asdict(cfg), self.run_id)
         self.anomalies = AnomalyGuard(cfg.training, self.dump_folder, self.rank, model_parts.model,
-                                      stop_hints(cfg.model.converters, cfg.training.compile, cfg.training.max_norm),
+                                      stop_hints(cfg.model.converters, cfg.compile.enable, cfg.training.max_norm),
                                       resumed.spike_losses, resumed.num_skipped)
         self.collector = ScheduledCollector(cfg.training.gc_freq)
         self.step = resumed.step
@@ -331,7 +332,7 @@ class Trainer:
         batches = self.validation_batches
         tokens_per_batch = batches.local_batch_size * batches.seq_len * self.dims.dp_degree
         result = evaluate(batches, training.evaluation_loss, training.global_sum, tokens_per_batch, self.device,
-                          compiled=self.cfg.training.compile)
+                          compiled=self.cfg.compile.enable)
         for part in training.model_parts.parts:
             part.train()
         return result

@@ -90,7 +90,7 @@ def build_dense_mask(document_ids: Tensor) -> Tensor:
 def compiled_flex_attention() -> Callable[..., Tensor]:
     """flex_attention compiled, once per process. torch's fused FlexAttention kernels exist only in compiled code:
     called eagerly, flex_attention runs an unfused reference that holds the whole score matrix. On CUDA it is always
-    compiled, on its own in eager blocks (as torchtitan does) and with the block under --training.compile. On CPU,
+    compiled, on its own in eager blocks (as torchtitan does) and with the block under --compile.enable. On CPU,
     where torch has no FlexAttention backward and it only runs forward (evaluation, tests), eager blocks take the
     reference."""
     from torch.nn.attention.flex_attention import flex_attention

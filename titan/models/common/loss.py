@@ -80,6 +80,6 @@ class OutputLoss(nn.Module):
         return self.logits_loss(output(h), labels)
 
     def compile_logits_loss(self) -> None:
-        """Compile the loss of each chunk's logits (--training.compile): inductor fuses the fp32 upcast into the
+        """Compile the loss of each chunk's logits (--compile.enable): inductor fuses the fp32 upcast into the
         cross entropy, so not even a chunk's fp32 logits are stored."""
         self.logits_loss = torch.compile(self.logits_loss)
