@@ -108,11 +108,6 @@ def hf_family(args: HFModelArgs) -> HFFamily:
     return QWEN3 if args.moe is None else QWEN3_MOE
 
 
-def ties_embeddings(args: HFModelArgs) -> bool:
-    """Whether Titan's output layer is the embedding itself (Llama's Titan flavors are always untied)."""
-    return isinstance(args, Qwen3Args) and args.tie_embeddings
-
-
 def expert_key(fqn: str, expert: int) -> str:
     """hf_names' key of expert `expert`'s matrix of the stacked Titan tensor `fqn`."""
     return f"{fqn}[{expert}]"
@@ -136,7 +131,7 @@ def hf_names(args: HFModelArgs) -> dict[str, str]:
         names.update({expert_key(f"{titan_layer}.{titan}", expert): f"{hf_layer}.{hf.format(expert=expert)}"
                       for titan, hf in family.expert_names.items() for expert in range(num_experts)})
     names["norm.weight"] = "model.norm.weight"
-    if not ties_embeddings(args):
+    if not args.tie_embeddings:
         names["output.weight"] = HF_OUTPUT
     return names
 
@@ -288,7 +283,7 @@ def hf_config(args: HFModelArgs, dtype: torch.dtype, bos_token_id: int | None, e
         "architectures": [family.architecture],
         "model_type": family.model_type,
         "vocab_size": args.vocab_size,
-        "tie_word_embeddings": ties_embeddings(args),
+        "tie_word_embeddings": args.tie_embeddings,
         **hf_architecture(args),
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,

@@ -68,7 +68,6 @@ from titan.checkpoint.hf import (
     hf_shapes,
     hf_vocab_rows,
     row_blocks,
-    ties_embeddings,
     titan_fqn,
     titan_shapes,
 )
@@ -197,7 +196,7 @@ def inspect_folder(folder: Path, args: HFModelArgs) -> dict[str, str]:
     # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
     # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
     # trains an output of its own, which starts as a copy.
-    if ties_embeddings(args) or (config.get("tie_word_embeddings") and HF_OUTPUT not in tensors):
+    if args.tie_embeddings or (config.get("tie_word_embeddings") and HF_OUTPUT not in tensors):
         names["output.weight"] = HF_EMBEDDING
     vocab_rows = hf_vocab_rows(config, args)
     if vocab_rows > args.vocab_size:

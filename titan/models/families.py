@@ -11,6 +11,7 @@ from torch import nn
 
 from titan.models import llama, qwen3
 from titan.models.common.args import AttnBackend
+from titan.models.common.decoder import tie_output
 from titan.models.common.flops import num_params
 from titan.models.llama.args import build_model_args
 
@@ -76,10 +77,6 @@ def llama3_active_params(args: llama.ModelArgs, model: nn.Module) -> int:
     return num_params(model, exclude_embedding=False)
 
 
-def no_shared_weights(model: nn.Module) -> None:
-    """Llama's modules share no parameter."""
-
-
 def llama3_tensor_parallel_sizes(args: llama.ModelArgs) -> list[tuple[str, int]]:
     return [("attention heads", args.n_heads), ("kv heads", args.n_kv_heads),
             ("FFN hidden size", llama.ffn_hidden_dim(args))]
@@ -108,11 +105,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "llama3": ModelFamily(name="llama3", flavors=llama.LLAMA3_FLAVORS, build_args=build_llama3_args,
                           model=llama.Transformer, init_weights=llama.init_weights, flops_per_token=llama3_flops,
                           tensor_parallel_sizes=llama3_tensor_parallel_sizes,
-                          num_active_params=llama3_active_params, tie_weights=no_shared_weights),
+                          num_active_params=llama3_active_params, tie_weights=tie_output),
     "qwen3": ModelFamily(name="qwen3", flavors=qwen3.QWEN3_FLAVORS, build_args=build_qwen3_args,
                          model=qwen3.Transformer, init_weights=qwen3.init_weights, flops_per_token=qwen3_flops,
                          tensor_parallel_sizes=qwen3_tensor_parallel_sizes, num_active_params=qwen3_active_params,
-                         tie_weights=qwen3.tie_output),
+                         tie_weights=tie_output),
 }
 
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor.parallel import SequenceParallel, parallelize_modu
 from titan.config.dtypes import to_dtype
 from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
-from titan.models.qwen3.model import tie_output
+from titan.models.common.decoder import tie_output
 from titan.parallel.dims import Meshes, ParallelDims
 from titan.parallel.ep import apply_ep
 from titan.parallel.fsdp import apply_expert_fsdp

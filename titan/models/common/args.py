@@ -49,6 +49,8 @@ class DecoderArgs:
     """Attention kernel: sdpa (causal only) or flex (FlexAttention, causal or block-causal)."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
+    tie_embeddings: bool = False
+    """The output layer reuses the token embedding's matrix (Qwen3 0.6B, 1.7B and 4B)."""
 
 
 def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:

@@ -16,7 +16,7 @@ from titan.models.common.rotary import RotaryEmbedding
 
 class Decoder(nn.Module):
     """A decoder of `block`s, each built from args by the family (Llama's, Qwen3's), with an output layer of its own
-    (a family that ties it to the embedding does so after building).
+    or, with args.tie_embeddings, the embedding's matrix.
 
     The embedding and output have padded_vocab_size(vocab_size, vocab_size_multiple_of) rows so their
     shapes split evenly. forward() returns logits over that padded vocab; the padded columns are
@@ -29,6 +29,7 @@ class Decoder(nn.Module):
         self.assemble(args, tok_embeddings=nn.Embedding(padded_vocab, args.dim),
                       layers={str(layer_id): block(args) for layer_id in range(args.n_layers)},
                       norm=RMSNorm(args.dim, eps=args.norm_eps), output=nn.Linear(args.dim, padded_vocab, bias=False))
+        tie_output(self)
 
     def assemble(self, args: DecoderArgs, tok_embeddings: nn.Module | None, layers: dict[str, nn.Module],
                  norm: nn.Module | None, output: nn.Module | None, rope: RotaryEmbedding | None = None) -> None:
@@ -77,3 +78,10 @@ class Decoder(nn.Module):
     def user_logits(self, tokens: Tensor) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""
         return self(tokens)[..., : self.vocab_size]
+
+
+def tie_output(model: nn.Module) -> None:
+    """Make a tied model's output matrix its embedding's again, for a model (or the stage holding both) after
+    to_empty(), which gives every module a tensor of its own, or after a stage that distributed them separately."""
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight

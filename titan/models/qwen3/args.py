@@ -21,8 +21,6 @@ class Qwen3Args(DecoderArgs):
     hidden_dim: int
     """Hidden units of the dense SwiGLU feed-forward (HF's intermediate_size); unused by MoE blocks."""
     moe: MoEArgs | None = None
-    tie_embeddings: bool = False
-    """The output layer reuses the token embedding's matrix (Qwen3 0.6B, 1.7B and 4B)."""
     vocab_size: int = QWEN3_VOCAB_SIZE
     """Real tokenizer size. The embedding and output have padded_vocab_size(...) rows."""
     norm_eps: float = 1e-6

@@ -4,8 +4,9 @@ extended to QK-norm, the router and the experts, and to a tied output."""
 import torch
 from torch import nn
 
+from titan.models.common.decoder import tie_output
 from titan.models.common.init import INPUT_PROJECTION_STD, init_output, rebuild_rotary_table, residual_output_std
-from titan.models.qwen3.model import TransformerBlock, tie_output
+from titan.models.qwen3.model import TransformerBlock
 
 
 def init_block(block: TransformerBlock, output_std: float) -> None:

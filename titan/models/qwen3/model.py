@@ -59,12 +59,3 @@ class Transformer(Decoder):
 
     def __init__(self, args: Qwen3Args) -> None:
         super().__init__(args, block=TransformerBlock)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-
-
-def tie_output(model: nn.Module) -> None:
-    """Make a tied model's output matrix its embedding's again, for a model (or the stage holding both) after
-    to_empty(), which gives every module a tensor of its own, or after a stage that distributed them separately."""
-    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
-        model.output.weight = model.tok_embeddings.weight
