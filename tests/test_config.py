@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -10,9 +11,10 @@ import torch
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.hardware import CPU, Accelerator, local_accelerator, simulated_accelerator, target_accelerator
-from titan.config.job import JobConfig
+from titan.config.job import JobConfig, Model
 from titan.config.load import load_toml, parse_args, to_toml
 from titan.config.validate import validate
+from titan.models.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -149,6 +151,15 @@ def problems_for(*args: str, world_size: int = 1, accelerator: Accelerator | Non
     except ConfigError as e:
         return e.problems
     return []
+
+
+def test_the_config_takes_every_registered_family_and_flavor() -> None:
+    """--model.name and --model.flavor accept what titan/models/families.py registers, and nothing else: a family
+    added there needs no edit of titan/config/job.py."""
+    hints = typing.get_type_hints(Model)
+    assert typing.get_args(hints["name"]) == tuple(FAMILIES)
+    flavors = {flavor for family in FAMILIES.values() for flavor in family.flavors}
+    assert set(typing.get_args(hints["flavor"])) == flavors
 
 
 def test_debug_config_is_valid() -> None:

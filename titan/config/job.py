@@ -21,6 +21,12 @@ from titan.config.domain import (
     Seed,
     StepOrLatest,
 )
+from titan.models.families import FAMILIES
+
+FamilyName = Literal[tuple(FAMILIES)]
+"""The registered model families (titan/models/families.py): registering one there adds it here."""
+FlavorName = Literal[tuple(dict.fromkeys(flavor for family in FAMILIES.values() for flavor in family.flavors))]
+"""Every registered family's flavors: validation checks that the flavor is one of --model.name's."""
 
 # float16 would need loss scaling, which Titan does not do; bfloat16 has float32's range.
 DTypeName = Literal["float32", "bfloat16"]
@@ -63,14 +69,12 @@ class Estimate:
 
 @dataclass
 class Model:
-    name: Literal["llama3", "qwen3"] = "llama3"
-    """Model family to build: llama3 (Llama 3 / 3.1 / 3.2 shapes) or qwen3 (Qwen3 dense and mixture-of-experts)."""
-    flavor: Literal["debugmodel", "debugmodel_mha", "debugmodel_tied", "debugmodel_moe", "100M", "0.6B", "1B", "1.7B",
-                    "3B", "4B", "8B", "14B", "32B", "70B", "405B", "30B-A3B", "235B-A22B"] = "debugmodel"
-    """Model size within the family. llama3: debugmodel (tiny, trains on CPU), debugmodel_mha, 100M (dim 768, 16
-    layers), 1B/3B (Llama 3.2 dims), 8B/70B/405B (Llama 3.1 dims). qwen3: debugmodel, debugmodel_tied (its output is
-    its embedding), debugmodel_moe (8 experts, top 2; all three train on CPU), 0.6B/1.7B/4B/8B/14B/32B dense and
-    30B-A3B/235B-A22B mixture-of-experts (the published Qwen3 configs)."""
+    name: FamilyName = "llama3"
+    """Model family to build: one that titan/models/families.py registers (each family's folder in titan/models
+    describes it)."""
+    flavor: FlavorName = "debugmodel"
+    """Model size within the family: one of the flavors in its args.py, whose debug flavors (debugmodel and its
+    variants) train on CPU. A name that is no flavor of --model.name is an error that lists the family's flavors."""
     tokenizer_path: str = "tokenizers/titan_2256.tiktoken"
     """Tokenizer file: tiktoken format (base64 token and rank per line, e.g. Llama 3's tokenizer.model), or a Hugging
     Face tokenizer.json of a byte-level BPE (Qwen3's, GPT-2's, Llama 3's), read with the tokenizer_config.json next
