@@ -33,7 +33,6 @@ from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
 from titan.metrics.log import logger
 from titan.models.families import FAMILIES
-from titan.models.llama.args import LLAMA3_BOS_ID
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.pp import declare_static_shapes
 from titan.parallel.shards import local_shard
@@ -74,14 +73,14 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
 
 def dry_run_vocabulary(model: Model) -> tuple[int, int]:
     """(vocabulary size, EOS id) of the tokenizer when its file is here; otherwise the family's own vocabulary (its
-    flavors' placeholder size) and Llama 3's BOS id as the document marker, which only matters to fake token ids."""
+    flavors' placeholder size) and a token of it as the document marker, which only fake token ids carry."""
     if resolve_path(model.tokenizer_path).is_file():
         tokenizer = build_tokenizer(model.tokenizer_path)
         return tokenizer.vocab_size, tokenizer.eos_id
     vocab_size = FAMILIES[model.name].flavors[model.flavor].vocab_size
     logger.info(f"Dry run: --model.tokenizer_path {model.tokenizer_path!r} is not on this machine; using "
                 f"{model.name}'s vocabulary of {vocab_size} tokens.")
-    return vocab_size, LLAMA3_BOS_ID
+    return vocab_size, FAMILIES[model.name].placeholder_eos_id
 
 
 def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:

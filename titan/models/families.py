@@ -11,7 +11,6 @@ from torch import nn
 
 from titan.models import llama, qwen3
 from titan.models.common.args import AttnBackend
-from titan.models.common.decoder import tie_output
 from titan.models.common.flops import num_params
 from titan.models.llama.args import build_model_args
 
@@ -48,8 +47,9 @@ class ModelFamily:
     """The sizes tensor parallel splits, each with what it is: the degree must divide every one."""
     num_active_params: Callable[[Any, nn.Module], int]
     """Parameters one token's forward uses (all of them for a dense model), at full size."""
-    tie_weights: Callable[[nn.Module], None]
-    """Restores the parameters a model shares between modules, after to_empty() gave each module its own."""
+    placeholder_eos_id: int
+    """A token id of the flavors' placeholder vocabulary that ends documents, where the tokenizer file is absent (a
+    dry run on another machine: only fake token ids carry it)."""
 
     def describe(self, flavor: str, args: Any, model: nn.Module) -> str:
         """One line for the log: the family, flavor, sizes and parameter counts."""
@@ -105,11 +105,11 @@ FAMILIES: dict[str, ModelFamily] = {
     "llama3": ModelFamily(name="llama3", flavors=llama.LLAMA3_FLAVORS, build_args=build_llama3_args,
                           model=llama.Transformer, init_weights=llama.init_weights, flops_per_token=llama3_flops,
                           tensor_parallel_sizes=llama3_tensor_parallel_sizes,
-                          num_active_params=llama3_active_params, tie_weights=tie_output),
+                          num_active_params=llama3_active_params, placeholder_eos_id=llama.LLAMA3_BOS_ID),
     "qwen3": ModelFamily(name="qwen3", flavors=qwen3.QWEN3_FLAVORS, build_args=build_qwen3_args,
                          model=qwen3.Transformer, init_weights=qwen3.init_weights, flops_per_token=qwen3_flops,
                          tensor_parallel_sizes=qwen3_tensor_parallel_sizes, num_active_params=qwen3_active_params,
-                         tie_weights=tie_output),
+                         placeholder_eos_id=qwen3.QWEN3_EOS_ID),
 }
 
 

@@ -22,6 +22,7 @@ from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
 from titan.models.common.attention import document_layout, sequence_positions
 from titan.models.common.batch import MicroBatch
+from titan.models.common.decoder import tie_output
 from titan.models.common.flops import num_params
 from titan.models.common.loss import mask_cross_document_targets, num_valid_targets
 from titan.models.families import FAMILIES, BuildOptions, ModelFamily
@@ -344,7 +345,7 @@ def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int,
             full = build_full_model(family, model_parts.args, device, seed)
             for part in parts:
                 apply_to_empty(part, device, cpu_offload)
-                family.tie_weights(part)
+                tie_output(part)
                 apply_full_init(part, full)
             return
         if cpu_offload:
