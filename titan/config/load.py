@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 import tyro
 
 from titan.config.errors import ConfigError
-from titan.config.job import JobConfig, Model
+from titan.config.job import JobConfig
 from titan.config.mixture import format_mixture_entry
+from titan.models.families import FAMILIES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -55,9 +56,8 @@ def flow_field_help(config: type) -> None:
 
 
 flow_field_help(JobConfig)
-FAMILIES = ", ".join(typing.get_args(typing.get_type_hints(Model)["name"]))
-DESCRIPTION = f"Titan: pretrain LLMs of the families {FAMILIES} (--model.name). Flags override the TOML file in " \
-              f"--job.config_file."
+DESCRIPTION = f"Titan: pretrain LLMs of the families {', '.join(FAMILIES)} (--model.name). Flags override the TOML " \
+              f"file in --job.config_file."
 """The head of --help."""
 
 
@@ -136,9 +136,9 @@ def load_toml(path: Path) -> JobConfig:
     """Read a TOML job file into a JobConfig, reporting every unknown name and wrong type at once."""
     data = read_toml(path)
     problems: list[str] = []
-    move_aliased_keys(data, path, problems)
-    sections = {}
     section_types = {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    move_aliased_keys(data, section_types, path, problems)
+    sections = {}
     for section_name, table in data.items():
         if section_name not in section_types:
             problems.append(f"{path}: unknown section [{section_name}]{suggest(section_name, section_types)}")
@@ -154,16 +154,15 @@ def load_toml(path: Path) -> JobConfig:
     return cfg
 
 
-def move_aliased_keys(data: dict[str, Any], path: Path, problems: list[str]) -> None:
-    """Move each aliased key of a TOML job file ([training] compile) to its field's table ([compile] enable);
-    both at once is a problem appended to `problems`."""
+def move_aliased_keys(data: dict[str, Any], section_types: dict[str, type], path: Path, problems: list[str]) -> None:
+    """Move each aliased key of a TOML job file ([training] compile) to its field's table ([compile] enable), in
+    the section dataclasses `section_types` (by table name); both at once is a problem appended to `problems`."""
     for alias, flag in FLAG_ALIASES.items():
         (alias_table, alias_key), (table, key) = (name.removeprefix("--").split(".", 1) for name in (alias, flag))
         if not isinstance(data.get(alias_table), dict) or alias_key not in data[alias_table]:
             continue
         value = data[alias_table].pop(alias_key)
-        section = next(f.type for f in dataclasses.fields(JobConfig) if f.name == table)
-        _, expected = convert_value(value, typing.get_type_hints(section)[key])
+        _, expected = convert_value(value, typing.get_type_hints(section_types[table])[key])
         target = data.setdefault(table, {})
         if expected is not None:  # named as the user wrote it
             problems.append(f"{path}: [{alias_table}] {alias_key} = {value!r} must be {expected}.")
