@@ -1,8 +1,8 @@
 """Checkpoints on real files and real processes: exact resume (one process and FSDP=2), kill safety during an
 async save, keep_latest_k, resharding across layouts, weights-only exports and seeds, and the errors a user sees.
-Runs of several processes go through ./run_train.sh, but for the straight runs that resumes are checked against,
-which share one torchrun launch; one process runs train.py's main in this process (the launcher's start-up adds
-nothing to it), except the run that is killed."""
+Runs of several processes go through ./run_train.sh, but for the straight runs that resumes start from and the runs
+that go on from them (resumes, resharded loads), which share one torchrun launch per world size; one process runs
+train.py's main in this process (the launcher's start-up adds nothing to it), except the run that is killed."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from titan.train.trainer import Trainer
 
 from harness.debug_training import DEBUG_TOML
 from harness.torchrun import run_cases
+from harness.train_cases_harness import CONSOLE_LOG
 from harness.train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
 
 STEPS = 10
@@ -70,8 +72,9 @@ def straight_runs(request: pytest.FixtureRequest,
     first use of a 2-process run trains every 2-process run that the selected tests of this module name, in one
     torchrun launch (run_cases): the ranks' start-up costs more than a run."""
     folders: dict[str, Path] = {}
-    asked = {item.callspec.params["name"] for item in request.session.items
-             if item.module is request.module and "name" in getattr(getattr(item, "callspec", None), "params", {})}
+    params = [getattr(getattr(item, "callspec", None), "params", {}) for item in request.session.items
+              if item.module is request.module]
+    asked = {p["name"] for p in params if "name" in p} | {CONTINUED[p["run"]].straight for p in params if "run" in p}
 
     def straight(name: str) -> Path:
         if name not in folders:
@@ -90,12 +93,33 @@ def straight_runs(request: pytest.FixtureRequest,
         for name in names:
             _, model, layout = STRAIGHT_RUNS[name]
             folders[name] = launch / name
-            cases[name] = [str(launch), "--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(launch / name),
-                           "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout]
-        finished = run_cases("train_cases_harness.py", nprocs, launch, cases)
-        assert not finished.failures, finished.failures
+            cases[name] = ["--training.steps", str(STEPS), *CHECKPOINT, *model, *layout]
+        launch_in_folders(launch, nprocs, {name: (folders[name], flags) for name, flags in cases.items()})
 
     return straight
+
+
+def launch_in_folders(launch: Path, nprocs: int, runs: dict[str, tuple[Path, list[str]]]) -> None:
+    """Train each of `runs` (name -> its folder, which it dumps into, and flags on top of BASE) on `nprocs`
+    processes, all in one torchrun launch (run_cases) that keeps its files in `launch`; each folder gets the run's
+    console lines (CONSOLE_LOG)."""
+    cases = {}
+    for name, (folder, flags) in runs.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        cases[name] = [str(folder), "--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(folder), *flags]
+    finished = run_cases("train_cases_harness.py", nprocs, launch, cases)
+    assert not finished.failures, finished.failures
+
+
+@dataclass(frozen=True)
+class Continued:
+    """A run that goes on from a straight run's checkpoint at step MIDDLE."""
+
+    nprocs: int
+    straight: str
+    start: Callable[[Path, Path], None]
+    """Lays out the run's folder (second argument) from the straight run's (first)."""
+    flags: list[str]
 
 
 def resume_from_middle(straight: Path, resumed: Path) -> None:
@@ -107,19 +131,73 @@ def resume_from_middle(straight: Path, resumed: Path) -> None:
     (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
 
-@pytest.mark.parametrize("name", ["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2",
-                                  "qwen3-moe-ep2"])
-def test_resume_is_bit_exact(tmp_path: Path, name: str, straight_runs: Callable[[str], Path]) -> None:
+def copy_middle_step(straight: Path, folder: Path) -> None:
+    """Only the straight run's checkpoint of step MIDDLE: a run that loads it as its latest step."""
+    step = f"step-{MIDDLE}"
+    shutil.copytree(straight / "checkpoint" / step, folder / "checkpoint" / step)
+
+
+RESUMED = ["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2", "qwen3-moe-ep2"]
+# Another layout loads the FSDP=2 run's step MIDDLE: (processes, data-parallel degree, flags).
+RESHARDED = {
+    "one-process": (1, 1, []),
+    "tp2": (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),
+    "fsdp2xtp2": (4, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
+    "pp2": (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
+    "cp2": (2, 1, ["--parallelism.context_parallel_degree", "2"]),
+}
+CONTINUED = {
+    **{f"resumed-{name}": Continued(STRAIGHT_RUNS[name][0], name, resume_from_middle,
+                                    ["--training.steps", str(STEPS), *CHECKPOINT, *STRAIGHT_RUNS[name][1],
+                                     *STRAIGHT_RUNS[name][2]]) for name in RESUMED},
+    # The data restarts (the dataloader is not loaded): step MIDDLE + 1 reads the first global batch.
+    **{f"resharded-{name}": Continued(nprocs, "fsdp2", copy_middle_step,
+                                      ["--training.steps", str(MIDDLE + 1), "--checkpoint.enable",
+                                       "--checkpoint.interval", "100", "--checkpoint.exclude_from_loading",
+                                       "dataloader", *flags]) for name, (nprocs, _, flags) in RESHARDED.items()},
+}
+"""The runs that go on from a straight run, by name."""
+
+
+@pytest.fixture(scope="module")
+def continued_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                   straight_runs: Callable[[str], Path]) -> Callable[[str], tuple[Path, str]]:
+    """The folder of a CONTINUED run and what it logged, trained on first use: on one process here, and the first
+    use of a multi-process one trains every such run of its size that the selected tests of this module name, in
+    one torchrun launch, as the straight runs are."""
+    done: dict[str, Path] = {}
+    asked = {params["run"] for item in request.session.items if item.module is request.module
+             for params in [getattr(getattr(item, "callspec", None), "params", {})] if "run" in params}
+
+    def continued(name: str) -> tuple[Path, str]:
+        if name not in done:
+            names = [name] if CONTINUED[name].nprocs == 1 else sorted(
+                {name} | {n for n in asked - done.keys() if CONTINUED[n].nprocs == CONTINUED[name].nprocs})
+            launch = tmp_path_factory.mktemp(f"continued-{CONTINUED[name].nprocs}-processes")
+            for run in names:
+                done[run] = launch / run
+                CONTINUED[run].start(straight_runs(CONTINUED[run].straight), done[run])
+            if CONTINUED[name].nprocs == 1:
+                result = train(done[name], *CONTINUED[name].flags)
+                (done[name] / CONSOLE_LOG).write_text(result.stdout)
+            else:
+                launch_in_folders(launch, CONTINUED[name].nprocs,
+                                  {run: (done[run], CONTINUED[run].flags) for run in names})
+        return done[name], (done[name] / CONSOLE_LOG).read_text()
+
+    return continued
+
+
+@pytest.mark.parametrize("run", [f"resumed-{name}" for name in RESUMED])
+def test_resume_is_bit_exact(run: str, straight_runs: Callable[[str], Path],
+                             continued_runs: Callable[[str], tuple[Path, str]]) -> None:
     """STEPS steps straight vs MIDDLE + resume + the rest: identical per-step losses, so weights, optimizer, schedule,
     data order and RNG all came back (async: the background write saved step MIDDLE's state, not a later one; bfloat16
     optimizer state: its moments, and its step counts, from which the stochastic rounding's bits are hashed (no
     generator is involved), so the resumed steps round as the straight run's did)."""
-    nprocs, model, layout = STRAIGHT_RUNS[name]
-    straight = straight_runs(name)
-    resumed = tmp_path / "resumed"
-    resume_from_middle(straight, resumed)
-    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout, nprocs=nprocs)
-    assert f"checkpoint/step-{MIDDLE}: step {MIDDLE}" in result.stdout
+    straight = straight_runs(CONTINUED[run].straight)
+    resumed, logged = continued_runs(run)
+    assert f"checkpoint/step-{MIDDLE}: step {MIDDLE}" in logged
     want, got = losses_by_step(straight), losses_by_step(resumed)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert [got[s] for s in range(MIDDLE + 1, STEPS + 1)] == [want[s] for s in range(MIDDLE + 1, STEPS + 1)]
@@ -292,29 +370,18 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
     return (loss_sum / num_targets).item()
 
 
-@pytest.mark.parametrize("nprocs, dp_degree, flags", [
-    (1, 1, []),
-    (2, 1, ["--parallelism.tensor_parallel_degree", "2"]),
-    (4, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"]),
-    (2, 1, ["--parallelism.pipeline_parallel_degree", "2"]),
-    (2, 1, ["--parallelism.context_parallel_degree", "2"]),
-], ids=["one-process", "tp2", "fsdp2xtp2", "pp2", "cp2"])
-def test_resharded_load(tmp_path: Path, straight_runs: Callable[[str], Path], nprocs: int, dp_degree: int,
-                        flags: list[str]) -> None:
+@pytest.mark.parametrize("run", [f"resharded-{name}" for name in RESHARDED])
+def test_resharded_load(tmp_path: Path, run: str, continued_runs: Callable[[str], tuple[Path, str]]) -> None:
     """Saved with FSDP=2 (the straight fsdp2 run's step MIDDLE), loaded by another layout: the model part is restored,
     the first step's loss is the saved weights' loss on that step's batch (a run that kept its seed init would be ~1
     nat off), and training goes on."""
-    folder = tmp_path / "run"
-    (folder / "checkpoint").mkdir(parents=True)
-    step = f"step-{MIDDLE}"
-    shutil.copytree(straight_runs("fsdp2") / "checkpoint" / step, folder / "checkpoint" / step)
-    result = train(folder, "--training.steps", str(MIDDLE + 1), "--checkpoint.enable", "--checkpoint.interval", "100",
-                   "--checkpoint.exclude_from_loading", "dataloader", *flags, nprocs=nprocs)
-    restored = re.search(rf"checkpoint/step-{MIDDLE}: step {MIDDLE}, (.*) restored", result.stdout)
-    assert restored and "model" in restored.group(1).split(", "), result.stdout
-    assert f"Training finished after {MIDDLE + 1} steps" in result.stdout
-    saved = read_model_weights(folder / "checkpoint" / step)
-    # the data restarts (dataloader not loaded): step MIDDLE + 1 reads the first global batch
+    folder, logged = continued_runs(run)
+    restored = re.search(rf"checkpoint/step-{MIDDLE}: step {MIDDLE}, (.*) restored", logged)
+    assert restored and "model" in restored.group(1).split(", "), logged
+    assert f"Training finished after {MIDDLE + 1} steps" in logged
+    saved = read_model_weights(folder / "checkpoint" / f"step-{MIDDLE}")
+    # the data restarted (dataloader not loaded): step MIDDLE + 1 read the first global batch
+    _, dp_degree, _ = RESHARDED[run.removeprefix("resharded-")]
     want = loss_on_first_batch(saved, dp_degree, tmp_path / "reference")
     assert losses_by_step(folder)[MIDDLE + 1] == pytest.approx(want, rel=1e-5)
     continued = read_model_weights(folder / "checkpoint" / f"step-{MIDDLE + 1}")
@@ -424,15 +491,12 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path: Path) -> None
     metadata = dcp.FileSystemReader(str(seed / "checkpoint" / "step-0")).read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in metadata} == {"model"}
     # a differently seeded FSDP=2 run starting from the seed: its step-1 loss is the seed run's
-    run = tmp_path / "from_seed"
-    (run / "checkpoint").mkdir(parents=True)
+    run, reference = tmp_path / "from_seed", tmp_path / "reference"
     shutil.copytree(seed / "checkpoint" / "step-0", run / "checkpoint" / "step-0")
     # Data in document order: the shuffle's order depends on the seed, which the two runs do not share.
-    train(run, "--training.steps", "1", "--checkpoint.enable", "--parallelism.data_parallel_shard_degree", "2",
-          "--training.no_shuffle", nprocs=2)
-    reference = tmp_path / "reference"
-    train(reference, "--training.steps", "1", "--training.seed", "7", "--parallelism.data_parallel_shard_degree", "2",
-          "--training.no_shuffle", nprocs=2)
+    fsdp2 = ["--training.steps", "1", "--parallelism.data_parallel_shard_degree", "2", "--training.no_shuffle"]
+    launch_in_folders(tmp_path / "launch", 2, {"from_seed": (run, [*fsdp2, "--checkpoint.enable"]),
+                                                "reference": (reference, [*fsdp2, "--training.seed", "7"])})
     assert losses_by_step(run)[1] == pytest.approx(losses_by_step(reference)[1], rel=1e-6)
     assert seed_weights["output.weight"].shape == (2304, 256)
 

@@ -270,6 +270,10 @@ def test_a_gpu_job_is_refused_for_a_cpu_run() -> None:
              "--checkpoint.async_mode async_with_pinned_mem", "--model.attn_backend flex"]
     assert len(found) == len(flags) and all(any(problem.startswith(flag) for problem in found) for flag in flags), found
     assert problems_for(*GPU_JOB, world_size=2, accelerator=H100) == []
+    # async TP is an inductor pass: another compile backend has none
+    (found_backend,) = problems_for(*GPU_JOB, "--compile.backend", "aot_eager", world_size=2, accelerator=H100)
+    assert found_backend.startswith("--parallelism.enable_async_tensor_parallel")
+    assert "--compile.backend" in found_backend
     if not torch.cuda.is_available():  # without --job.dry_run, the job targets this machine
         assert problems_for(*GPU_JOB, world_size=2) == found
 

@@ -92,8 +92,8 @@ def output_and_grads(attend: nn.Module, query: Tensor, key: Tensor, value: Tenso
 
 def check_sharded_attention(mesh: DeviceMesh, block_causal: bool) -> None:
     """Sharded attention, unsharded, equals full attention (causal, or block-causal over DOCUMENT_IDS), forward and
-    gradients, for each rotate method eagerly, and block-causal alltoall also compiled (allgather compiles in
-    test_parallel.py's cp2_compiled_selective_ac, the trainer's blocks under context parallel)."""
+    gradients, for each rotate method eagerly, and block-causal alltoall also compiled by inductor (allgather is traced
+    by aot_eager in test_parallel.py's cp2_compiled_selective_ac, the trainer's blocks under context parallel)."""
     rank = mesh.get_local_rank()
     query, key, value, loss_weights = attention_inputs()
     document_ids = DOCUMENT_IDS if block_causal else None

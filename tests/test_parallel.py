@@ -46,6 +46,7 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
 FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns"]
 MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
+AOT_EAGER = ["--compile.backend", "aot_eager"]
 ACCUMULATE = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
 BF16_STATE = ["--optimizer.state_dtype", "bfloat16"]
 QWEN3 = ["--model.name", "qwen3"]
@@ -107,9 +108,12 @@ LAYOUTS = {
               **{f"cp2_{method}": ["--training.local_batch_size", "4", *CP2,
                                    "--parallelism.context_parallel_rotate_method", method]
                  for method in ("allgather", "alltoall")},
-              pp2_compiled_full_ac=["--training.local_batch_size", "4", "--training.compile", *PP2,
+              # Compile under PP and under CP with AC: what these layouts change is what dynamo and AOTAutograd
+              # capture (pipeline stages' blocks, CP's attention, AC's recomputed regions), which aot_eager traces as
+              # inductor does, in a fraction of its time; inductor's kernels under a layout are tp2_compiled's.
+              pp2_compiled_full_ac=["--training.local_batch_size", "4", "--training.compile", *AOT_EAGER, *PP2,
                                     "--activation_checkpoint.mode", "full"],
-              cp2_compiled_selective_ac=["--training.local_batch_size", "4", "--training.compile", *CP2,
+              cp2_compiled_selective_ac=["--training.local_batch_size", "4", "--training.compile", *AOT_EAGER, *CP2,
                                          "--activation_checkpoint.mode", "selective"]),
     **layouts(2, "ref_accumulate",
               pp2_accumulate=[*ACCUMULATE, *PP2, "--parallelism.pipeline_parallel_microbatch_size", "2"]),
@@ -302,8 +306,8 @@ def test_context_parallel_with_fsdp_on_four_processes(runs: CaseResults, case: s
 
 @pytest.mark.parametrize("case", ["pp2_compiled_full_ac", "cp2_compiled_selective_ac"])
 def test_pipeline_and_context_parallel_with_compile_and_ac(runs: CaseResults, case: str) -> None:
-    """Compiled, checkpointed blocks inside pipeline stages, and around context-parallel attention (which dynamo
-    traces through, collectives included): still one process's eager run."""
+    """Compiled (aot_eager), checkpointed blocks inside pipeline stages, and around context-parallel attention (which
+    dynamo traces through, collectives included): still one process's eager run."""
     assert_same_run(runs, case)
 
 

@@ -468,6 +468,10 @@ class Compile:
     enable: bool = False
     """torch.compile each transformer block and the loss. --training.compile, Titan's earlier spelling, is an alias
     of this field (on the command line, and as [training] compile in a TOML file)."""
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend: inductor generates fused kernels (the speed); aot_eager traces the forward and backward
+    graphs as inductor would but runs them with eager kernels, and eager only captures the graphs with dynamo. The
+    last two compile in a fraction of inductor's time: for telling a graph-capture problem from a kernel one."""
     emulate_precision_casts: bool = False
     """Make inductor round intermediates to their dtype as eager does (inductor's emulate_precision_casts).
     Fixes NaN losses seen with float8 rowwise + torch.compile + RMSNorm; slightly slower."""

@@ -570,10 +570,11 @@ def check_async_tp(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     par = cfg.parallelism
     if not par.enable_async_tensor_parallel:
         return None
-    if par.tensor_parallel_degree <= 1 or not cfg.compile.enable or not accelerator.is_cuda:
+    if (par.tensor_parallel_degree <= 1 or not cfg.compile.enable or cfg.compile.backend != "inductor"
+            or not accelerator.is_cuda):
         return ("--parallelism.enable_async_tensor_parallel needs --parallelism.tensor_parallel_degree above 1, "
-                "--compile.enable and CUDA GPUs (it is an inductor pass over NCCL symmetric memory). Drop the "
-                "flag, or add the missing ones.")
+                "--compile.enable with --compile.backend inductor, and CUDA GPUs (it is an inductor pass over NCCL "
+                "symmetric memory). Drop the flag, or add the missing ones.")
     return None
 
 

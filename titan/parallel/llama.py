@@ -53,7 +53,8 @@ def apply_block_wrappers(model: nn.Module, dims: ParallelDims, meshes: Meshes | 
     else:
         logger.info("Activation checkpointing: off (--activation_checkpoint.mode none)")
     if compile_cfg.enable:
-        apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts, fullgraph=fullgraph)
+        apply_compile(model, emulate_precision_casts=compile_cfg.emulate_precision_casts, fullgraph=fullgraph,
+                      backend=compile_cfg.backend)
     else:
         logger.info("torch.compile: off (--compile.enable to turn it on)")
 

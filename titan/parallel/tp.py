@@ -110,12 +110,12 @@ class TensorParallelOutputLoss(OutputLoss):
         if loss_parallel:
             self.logits_loss = build_vocab_sharded_loss(vocab_size, padded_vocab, tp_mesh)
 
-    def compile_logits_loss(self) -> None:
+    def compile_logits_loss(self, backend: str = "inductor") -> None:
         """The vocab-sharded loss stays eager. Compiled under loss_parallel (torch 2.13), each rank's graph bakes in
         its own vocabulary offset, but inductor's on-disk graph cache keys them alike: a rank that loads another
         rank's graph computes a wrong loss (inf in a training run). With the cache off the compiled loss is right."""
         if not self.loss_parallel:
-            super().compile_logits_loss()
+            super().compile_logits_loss(backend)
 
     def token_chunks(self, h: Tensor, labels: Tensor) -> list[tuple[Tensor, Tensor]]:
         """h: a DTensor (bs, seq, dim) sharded on the sequence; labels (bs, seq), the same on every rank."""

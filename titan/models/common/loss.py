@@ -79,7 +79,7 @@ class OutputLoss(nn.Module):
         """The summed loss of these tokens' logits."""
         return self.logits_loss(output(h), labels)
 
-    def compile_logits_loss(self) -> None:
-        """Compile the loss of each chunk's logits (--compile.enable): inductor fuses the fp32 upcast into the
-        cross entropy, so not even a chunk's fp32 logits are stored."""
-        self.logits_loss = torch.compile(self.logits_loss)
+    def compile_logits_loss(self, backend: str = "inductor") -> None:
+        """Compile the loss of each chunk's logits (--compile.enable) with torch.compile's `backend`: inductor fuses
+        the fp32 upcast into the cross entropy, so not even a chunk's fp32 logits are stored."""
+        self.logits_loss = torch.compile(self.logits_loss, backend=backend)
