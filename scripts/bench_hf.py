@@ -36,6 +36,7 @@ from titan.checkpoint.hf import hf_shapes, titan_shapes  # noqa: E402
 from titan.checkpoint.hf_io import read_hf_weights, save_hf  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer  # noqa: E402
 from titan.exits import exit_process  # noqa: E402
+from titan.models.families import FAMILIES  # noqa: E402
 from titan.models.llama.args import ModelArgs  # noqa: E402
 from titan.models.llama.init import init_weights  # noqa: E402
 from titan.models.llama.model import Transformer  # noqa: E402
@@ -105,7 +106,7 @@ def build_sharded(args: ModelArgs, layout: str) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     if "tp" in names:
-        apply_tp(model, mesh["tp"], loss_parallel=True, async_tp=False)
+        apply_tp(model, mesh["tp"], FAMILIES["llama3"].parallel_plan, loss_parallel=True, async_tp=False)
     if "fsdp" in names:
         apply_fsdp(model, mesh["fsdp"], torch.float32, torch.float32, reshard_after_forward="default")
     model.to_empty(device="cpu")

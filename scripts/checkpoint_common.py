@@ -17,7 +17,8 @@ from titan.config.validate import check_flavor  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
-from titan.models.families import FAMILIES, BuildOptions  # noqa: E402
+from titan.models.common.family import BuildOptions  # noqa: E402
+from titan.models.families import FAMILIES  # noqa: E402
 
 TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file> (and "
                     "--model.name qwen3 for a Qwen3), or -- --job.config_file <dump_folder>/config.toml to reuse the "

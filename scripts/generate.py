@@ -27,8 +27,9 @@ from checkpoint_common import (
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import check_shapes, titan_shapes
 from titan.checkpoint.hf_io import read_hf_weights
+from titan.models.common.family import ModelFamily
 from titan.models.common.rotary import precompute_rope_cache
-from titan.models.families import FAMILIES, ModelFamily
+from titan.models.families import FAMILIES
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:

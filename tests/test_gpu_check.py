@@ -23,8 +23,9 @@ from gpu_check import (
 )
 from titan.config.check import load_job_config
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from titan.models.common.family import BuildOptions
 from titan.models.common.flops import num_params
-from titan.models.families import FAMILIES, BuildOptions
+from titan.models.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
 

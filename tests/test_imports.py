@@ -82,3 +82,24 @@ def test_imports_have_no_cycle() -> None:
     except graphlib.CycleError as error:
         pytest.fail(f"import cycle in titan: {' -> '.join(error.args[1])}. Move what both sides need down "
                     f"(format facts to titan/quant/formats.py, say), so imports run one way.")
+
+
+def family_packages() -> set[str]:
+    """titan.models.llama, titan.models.qwen3, ...: every folder of titan/models but the shared one."""
+    return {f"titan.models.{path.name}" for path in (TITAN / "models").iterdir()
+            if (path / "__init__.py").is_file() and path.name != "common"}
+
+
+def test_only_the_registry_imports_a_family() -> None:
+    """A family is its folder plus one line in titan/models/families.py (docs/models.md): nothing else in titan/
+    imports a family's own modules, and a family imports none of another's, only titan.models.common."""
+    families = family_packages()
+    assert {"titan.models.llama", "titan.models.qwen3"} <= families
+    reaching = [f"{module} (line {line}) imports {target}"
+                for module, targets in import_graph(TITAN).items() if module != "titan.models.families"
+                for target, line in targets.items()
+                for family in families if (target == family or target.startswith(family + "."))
+                and not (module == family or module.startswith(family + "."))]
+    assert not reaching, ("imports of a model family's own modules from outside it; go through the registry "
+                          "(titan.models.families: FAMILIES, family_of) or move what is shared to "
+                          "titan/models/common:\n" + "\n".join(reaching))

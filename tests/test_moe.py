@@ -77,7 +77,7 @@ def dense_moe_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     tokens = x.reshape(-1, x.size(-1))
     weights, experts, _ = layer.router(tokens)
     outputs = torch.stack([grouped_swiglu(tokens, torch.tensor([tokens.size(0)]), layer.experts.w1[e:e + 1],
-                                          layer.experts.w2[e:e + 1], layer.experts.w3[e:e + 1])
+                                          layer.experts.w2[e:e + 1], layer.experts.w3[e:e + 1], valueless=False)
                            for e in range(layer.experts.num_experts)], dim=1)  # (tokens, experts, dim)
     picked = outputs.gather(1, experts[..., None].expand(-1, -1, tokens.size(-1)))  # (tokens, top_k, dim)
     return (picked * weights[..., None]).sum(dim=1).view_as(x)
@@ -118,13 +118,13 @@ def test_grouped_matmuls_match_the_loop_over_experts(monkeypatch: pytest.MonkeyP
     def run() -> list[torch.Tensor]:
         for tensor in (x, *weights):
             tensor.grad = None
-        out = grouped_swiglu(x, torch.tensor(counts), *weights)
+        out = grouped_swiglu(x, torch.tensor(counts), *weights, valueless=False)
         (out * upstream).sum().backward()
         return [out.detach(), x.grad, *(w.grad for w in weights)]
 
-    assert moe_module.grouped_mm_supported(x)  # torch._grouped_mm on the CPU
+    assert moe_module.grouped_mm_supported(x, valueless=False)  # torch._grouped_mm on the CPU
     grouped = run()
-    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda x: False)
+    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda x, valueless: False)
     for got, want in zip(grouped, run()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -14,11 +14,12 @@ from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.models.common.loss import cross_entropy_loss
+from titan.models.families import FAMILIES
 from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.parallel.ac import apply_ac, keeps_attention
 from titan.parallel.compile import apply_compile
 from titan.parallel.dims import resolve_dims
-from titan.parallel.llama import parallelize_llama
+from titan.parallel.parallelize import parallelize_model
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 
@@ -470,8 +471,9 @@ def test_dropping_kept_attention_is_logged(mode: str, option: str, says_so: bool
                           world_size=1)
     with torch.device("meta"):
         model = Transformer(SMALL_MODEL)
-    parallelize_llama(model, resolve_dims(cfg.parallelism, 1, cpu_offload=False), None, cfg.parallelism,
-                      cfg.activation_checkpoint, cfg.training, cfg.compile, keep_attention=False, block_causal=True)
+    dims = resolve_dims(cfg.parallelism, 1, cpu_offload=False)
+    parallelize_model(model, FAMILIES["llama3"].parallel_plan, dims, None, cfg.parallelism, cfg.activation_checkpoint,
+                      cfg.training, cfg.compile, keep_attention=False, block_causal=True)
     logged = any("Checkpointed blocks recompute attention" in record.getMessage() for record in titan_records)
     assert logged == says_so
 

@@ -1,5 +1,6 @@
-"""Titan <-> Hugging Face causal LMs (LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): parameter names,
-the RoPE row layout of wq/wk (and of Qwen3's QK-norm), per-expert tensors, vocab rows and config.json.
+"""Titan <-> Hugging Face causal LMs, each as its family's mapping describes its transformers class
+(titan/models/<family>/hf.py: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): parameter names, the RoPE row
+layout of wq/wk (and of Qwen3's QK-norm), per-expert tensors, vocab rows and config.json.
 
 RoPE layouts. Both rotate channel pairs of each head by position * freq_i, i < head_dim/2, but they pair
 different channels:
@@ -22,90 +23,28 @@ Llama checkpoints hold exactly the tokenizer's rows. Qwen's hub checkpoints hold
 own padding rows stay zero), and export writes exactly vocab_size rows with config.json's vocab_size to match.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from titan.config.errors import ConfigError
-from titan.models.llama.args import ModelArgs, ffn_hidden_dim
-from titan.models.llama.model import Transformer
-from titan.models.qwen3.args import Qwen3Args
-from titan.models.qwen3.model import Transformer as Qwen3Transformer
+from titan.models.common.args import DecoderArgs
+from titan.models.common.hf_mapping import HFMapping
+from titan.models.families import family_of
 
 HF_CONFIG_FILE = "config.json"
 
-HFModelArgs = ModelArgs | Qwen3Args
-"""The model args of a family with a Hugging Face counterpart."""
-
-# Titan FQN inside layers.{i} -> HF name inside model.layers.{i}, in Titan's state-dict order.
-ATTENTION_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-}
-QK_NORM_NAMES = {
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
-# SwiGLU w2(silu(w1 x) * w3 x): w1 is HF's gate, w3 its up and w2 its down projection.
-FEED_FORWARD_NAMES = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
-ROUTER_NAMES = {"moe.router.gate.weight": "mlp.gate.weight"}
-NORM_NAMES = {
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-# Stacked Titan tensor (num_experts, rows, cols) inside layers.{i} -> HF name of expert {expert}'s (rows, cols).
-EXPERT_NAMES = {
-    "moe.experts.w1": "mlp.experts.{expert}.gate_proj.weight",
-    "moe.experts.w2": "mlp.experts.{expert}.down_proj.weight",
-    "moe.experts.w3": "mlp.experts.{expert}.up_proj.weight",
-}
 # Titan pads these rows to padded_vocab_size; HF has vocab_size rows (or more, see the module docstring).
 VOCAB_FQNS = ("tok_embeddings.weight", "output.weight")
 HF_EMBEDDING, HF_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
-# Tensors whose rows (of each head) are in RoPE's channel order: Titan's interleaved pairs, HF's halves.
-ROPE_FQN_SUFFIXES = ("attention.wq.weight", "attention.wk.weight", "attention.q_norm.weight",
-                     "attention.k_norm.weight")
 
 
-@dataclass(frozen=True)
-class HFFamily:
-    """A Titan model family as its transformers class stores it."""
-
-    name: str
-    """For messages: "Llama", "Qwen3", "Qwen3-MoE"."""
-    model_type: str
-    architecture: str
-    model: Callable[[HFModelArgs], nn.Module]
-    layer_names: dict[str, str]
-    expert_names: dict[str, str]
-    hub_pads_vocab: bool
-    """Its hub checkpoints may hold more vocab rows than the tokenizer has tokens."""
-
-
-LLAMA = HFFamily("Llama", "llama", "LlamaForCausalLM", Transformer,
-                 {**ATTENTION_NAMES, **FEED_FORWARD_NAMES, **NORM_NAMES}, {}, hub_pads_vocab=False)
-QWEN3 = HFFamily("Qwen3", "qwen3", "Qwen3ForCausalLM", Qwen3Transformer,
-                 {**ATTENTION_NAMES, **QK_NORM_NAMES, **FEED_FORWARD_NAMES, **NORM_NAMES}, {}, hub_pads_vocab=True)
-QWEN3_MOE = HFFamily("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", Qwen3Transformer,
-                     {**ATTENTION_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES, **NORM_NAMES}, EXPERT_NAMES,
-                     hub_pads_vocab=True)
-
-
-def hf_family(args: HFModelArgs) -> HFFamily:
-    """The transformers class that holds a model of `args`: Qwen3-MoE when every block is a mixture of experts
-    (Titan's Qwen3 has no dense blocks between them), else the family's dense class."""
-    if isinstance(args, ModelArgs):
-        return LLAMA
-    return QWEN3 if args.moe is None else QWEN3_MOE
+def hf_family(args: DecoderArgs) -> HFMapping:
+    """The transformers class that holds a model of `args`, as its family maps it (titan/models/<family>/hf.py)."""
+    return family_of(args).hf_mapping(args)
 
 
 def expert_key(fqn: str, expert: int) -> str:
@@ -118,7 +57,7 @@ def titan_fqn(key: str) -> str:
     return key.partition("[")[0]
 
 
-def hf_names(args: HFModelArgs) -> dict[str, str]:
+def hf_names(args: DecoderArgs) -> dict[str, str]:
     """Key -> HF name of every HF tensor, in Titan's state-dict order. A key is a Titan FQN, or `fqn[e]` for expert
     e's matrix of a stacked expert tensor. A tied output has no key (HF stores only the embedding), nor does
     MoE's routing bias (expert_bias: auxiliary-loss-free balancing, which transformers doesn't have)."""
@@ -136,14 +75,14 @@ def hf_names(args: HFModelArgs) -> dict[str, str]:
     return names
 
 
-def titan_shapes(args: HFModelArgs) -> dict[str, torch.Size]:
+def titan_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
     """Shape of every tensor in a Titan state dict for `args`, read off a model built on meta."""
     with torch.device("meta"):
-        model = hf_family(args).model(args)
+        model = family_of(args).model(args)
     return {fqn: tensor.shape for fqn, tensor in model.state_dict().items()}
 
 
-def hf_shapes(args: HFModelArgs, vocab_rows: int | None = None) -> dict[str, torch.Size]:
+def hf_shapes(args: DecoderArgs, vocab_rows: int | None = None) -> dict[str, torch.Size]:
     """Shape of every tensor in the HF state dict for `args`: Titan's, with `vocab_rows` (default: vocab_size)
     rows for the embedding and output, and one (rows, cols) matrix per expert."""
     titan = titan_shapes(args)
@@ -157,7 +96,7 @@ def hf_shapes(args: HFModelArgs, vocab_rows: int | None = None) -> dict[str, tor
     return shapes
 
 
-def hf_vocab_rows(config: dict, args: HFModelArgs) -> int:
+def hf_vocab_rows(config: dict, args: DecoderArgs) -> int:
     """The vocab rows the embedding and output of a folder with this config.json hold: vocab_size, or for a
     family whose hub pads its vocab, config.json's count (check_hf_config has checked it is not fewer)."""
     if hf_family(args).hub_pads_vocab:
@@ -211,7 +150,7 @@ class RowBlock:
         return int(self.local_rows[0]) if bool((steps == 1).all()) else None
 
 
-def row_blocks(key: str, first_row: int, num_rows: int, args: HFModelArgs) -> list[RowBlock]:
+def row_blocks(key: str, first_row: int, num_rows: int, args: DecoderArgs) -> list[RowBlock]:
     """Where rows [first_row, first_row + num_rows) of the Titan tensor `key` (an hf_names key: one rank's chunk of
     it) lie in the HF tensor, as runs of consecutive HF rows. This is what lets each rank read and write only its own
     shard: FSDP and TP chunk every tensor into row ranges (TP's column shards keep all rows), and a row range maps to
@@ -228,7 +167,7 @@ def row_blocks(key: str, first_row: int, num_rows: int, args: HFModelArgs) -> li
     if end <= first_row:
         return []
     rows = torch.arange(first_row, end)
-    if not key.endswith(ROPE_FQN_SUFFIXES):
+    if not key.endswith(hf_family(args).rope_rows):
         return [RowBlock(first_row, rows - first_row)]
     hf_rows, local_rows = torch.sort(rotate_half_rows(rows, args.head_dim))
     breaks = (torch.diff(hf_rows) != 1).nonzero().flatten() + 1  # where one run of consecutive HF rows ends
@@ -236,7 +175,7 @@ def row_blocks(key: str, first_row: int, num_rows: int, args: HFModelArgs) -> li
                                                                local_rows.tensor_split(breaks))]
 
 
-def hf_rope_scaling(args: HFModelArgs) -> dict[str, float | int | str] | None:
+def hf_rope_scaling(args: DecoderArgs) -> dict[str, float | int | str] | None:
     """The rope_scaling entry of config.json: HF's "llama3" rope type, or None for plain RoPE (always, for Qwen3)."""
     if args.rope_scaling is None:
         return None
@@ -246,34 +185,14 @@ def hf_rope_scaling(args: HFModelArgs) -> dict[str, float | int | str] | None:
             "original_max_position_embeddings": scaling.original_max_position_embeddings}
 
 
-def hf_architecture(args: HFModelArgs) -> dict:
+def hf_architecture(args: DecoderArgs) -> dict:
     """The config.json fields that fix the weights' shapes and the model's math, other than RoPE's and vocab_size
     (check_hf_config checks those on their own). max_position_embeddings is not among them: a position's rotary
     angles don't depend on it, and a run may train on another context length than the checkpoint's."""
-    fields = {
-        "hidden_size": args.dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": args.norm_eps,
-        "attention_bias": False,
-    }
-    if isinstance(args, ModelArgs):
-        return {**fields, "intermediate_size": ffn_hidden_dim(args), "mlp_bias": False}
-    # Titan's Qwen3 attends over the whole context in every layer, and a tied output has no matrix of its own.
-    fields.update(use_sliding_window=False, tie_word_embeddings=args.tie_embeddings)
-    if args.moe is None:
-        return {**fields, "intermediate_size": args.hidden_dim}
-    # Every block is a mixture of experts (no dense mlp_only_layers), so intermediate_size, the dense MLP's, fixes
-    # nothing: hf_config writes it (the flavor keeps the hub config's value), and this leaves it unchecked.
-    return {**fields, "num_experts": args.moe.num_experts, "num_experts_per_tok": args.moe.top_k,
-            "moe_intermediate_size": args.moe.hidden_dim, "norm_topk_prob": args.moe.norm_topk_prob,
-            "decoder_sparse_step": 1, "mlp_only_layers": []}
+    return hf_family(args).config_fields(args)
 
 
-def hf_config(args: HFModelArgs, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int) -> dict:
+def hf_config(args: DecoderArgs, dtype: torch.dtype, bos_token_id: int | None, eos_token_id: int) -> dict:
     """config.json of the family's transformers class with Titan's shapes, in the layout of the published configs
     (Meta's Llama 3, Qwen's Qwen3: rope_theta + rope_scaling), which transformers 4.x and 5.x both read. Llama's
     output layer is untied, as Titan trains it. The token ids matter to transformers' generate(), whose defaults
@@ -285,6 +204,7 @@ def hf_config(args: HFModelArgs, dtype: torch.dtype, bos_token_id: int | None, e
         "vocab_size": args.vocab_size,
         "tie_word_embeddings": args.tie_embeddings,
         **hf_architecture(args),
+        **family.unchecked_config_fields(args),
         "max_position_embeddings": args.max_seq_len,
         "rope_theta": args.rope_theta,
         "rope_scaling": hf_rope_scaling(args),
@@ -292,8 +212,6 @@ def hf_config(args: HFModelArgs, dtype: torch.dtype, bos_token_id: int | None, e
         "eos_token_id": eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if family is QWEN3_MOE:
-        config["intermediate_size"] = args.hidden_dim  # unused (see hf_architecture), but every hub config has it
     return config
 
 
@@ -319,7 +237,7 @@ def config_field(config: dict, field: str) -> tuple[str, object] | None:
     return None
 
 
-def check_vocab_size(config: dict, args: HFModelArgs, path: Path) -> str | None:
+def check_vocab_size(config: dict, args: DecoderArgs, path: Path) -> str | None:
     """config.json's vocab_size must be the tokenizer's, or for a family whose hub pads the vocab, at least that."""
     if "vocab_size" not in config:
         return None
@@ -330,7 +248,7 @@ def check_vocab_size(config: dict, args: HFModelArgs, path: Path) -> str | None:
             f"{args.vocab_size!r} (the size of --model.tokenizer_path's tokenizer).")
 
 
-def check_hf_config(config: dict, args: HFModelArgs, path: Path) -> None:
+def check_hf_config(config: dict, args: DecoderArgs, path: Path) -> None:
     """Raise one ConfigError naming every config.json field that disagrees with `args`. Fields the file
     leaves out are not checked."""
     problems = []

@@ -57,7 +57,6 @@ from titan.checkpoint.hf import (
     HF_EMBEDDING,
     HF_OUTPUT,
     VOCAB_FQNS,
-    HFModelArgs,
     RowBlock,
     check_hf_config,
     check_shapes,
@@ -75,6 +74,7 @@ from titan.config.errors import ConfigError
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
+from titan.models.common.args import DecoderArgs
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARDED_FOLDER = "sharded"
@@ -122,7 +122,7 @@ def read_json(path: Path) -> dict:
         raise ConfigError(f"{path} is not readable JSON ({error}). {COPY_AGAIN}") from None
 
 
-def read_config(folder: Path, args: HFModelArgs) -> dict:
+def read_config(folder: Path, args: DecoderArgs) -> dict:
     """config.json ({} if the folder has none), checked to describe a model of Titan's family and shape."""
     path = folder / HF_CONFIG_FILE
     if not path.is_file():
@@ -187,7 +187,7 @@ def read_headers(files: dict[Path, set[str] | None]) -> dict[str, tuple[Path, to
     return tensors
 
 
-def inspect_folder(folder: Path, args: HFModelArgs) -> dict[str, str]:
+def inspect_folder(folder: Path, args: DecoderArgs) -> dict[str, str]:
     """Check a Hugging Face folder against `args` without reading tensor data, and return the HF tensor that fills
     each key (hf_names' keys, plus the output of a tied model). One ConfigError names every problem and its file."""
     config = read_config(folder, args)
@@ -218,7 +218,7 @@ def inspect_folder(folder: Path, args: HFModelArgs) -> dict[str, str]:
 class HFLoadPlanner(DefaultLoadPlanner):
     """Reads, for every local chunk of the Titan state dict, the HF rows that hold it (one read per row block)."""
 
-    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: HFModelArgs) -> None:
+    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: DecoderArgs) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.reads: list[ReadItem] = []
         self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
@@ -268,7 +268,7 @@ class BlockReader(HuggingFaceStorageReader):
         return done
 
 
-def load_hf(folder: Path, state_dict: dict[str, Tensor], args: HFModelArgs) -> None:
+def load_hf(folder: Path, state_dict: dict[str, Tensor], args: DecoderArgs) -> None:
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
     Face folder. Every rank calls this; each reads only its own rows."""
     sources = inspect_folder(folder, args)
@@ -284,7 +284,7 @@ def load_hf(folder: Path, state_dict: dict[str, Tensor], args: HFModelArgs) -> N
                 local.zero_()  # MoE's routing bias (expert_bias): no HF counterpart; zero is no bias, as at init
 
 
-def read_hf_weights(folder: Path, args: HFModelArgs) -> dict[str, Tensor]:
+def read_hf_weights(folder: Path, args: DecoderArgs) -> dict[str, Tensor]:
     """The whole model as a float32 Titan state dict on this process, from a Hugging Face folder (the scripts)."""
     state_dict = {fqn: torch.empty(shape) for fqn, shape in titan_shapes(args).items()}
     load_hf(folder, state_dict, args)
@@ -296,7 +296,7 @@ def read_hf_weights(folder: Path, args: HFModelArgs) -> dict[str, Tensor]:
 class HFSavePlanner(DefaultSavePlanner):
     """Writes every local chunk of the Titan state dict as HF rows (one chunk per row block) in `dtype`."""
 
-    def __init__(self, state_dict: dict[str, Tensor], args: HFModelArgs, dtype: torch.dtype) -> None:
+    def __init__(self, state_dict: dict[str, Tensor], args: DecoderArgs, dtype: torch.dtype) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.dtype = dtype
         self.writes: list[WriteItem] = []
@@ -361,7 +361,7 @@ class ShardedHFWriter(HuggingFaceStorageWriter):
         return written
 
 
-def file_indices(args: HFModelArgs, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
+def file_indices(args: DecoderArgs, dtype: torch.dtype, max_shard_bytes: int) -> dict[str, int]:
     """HF name -> output file number (from 1), in HF order, starting a new file before one would pass
     max_shard_bytes (a larger tensor gets a file of its own), as save_pretrained shards."""
     indices: dict[str, int] = {}
@@ -375,7 +375,7 @@ def file_indices(args: HFModelArgs, dtype: torch.dtype, max_shard_bytes: int) ->
     return indices
 
 
-def save_hf(state_dict: dict[str, Tensor], folder: Path, args: HFModelArgs, dtype: torch.dtype, tokenizer: Tokenizer,
+def save_hf(state_dict: dict[str, Tensor], folder: Path, args: DecoderArgs, dtype: torch.dtype, tokenizer: Tokenizer,
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face folder of the args'
     family: safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this.

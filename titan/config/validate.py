@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from titan.config.degrees import data_parallel_degree, resolved_shard_degree
 from titan.config.domain import field_ranges, parse_duration
 from titan.config.errors import ConfigError
 from titan.config.hardware import Accelerator, target_accelerator
@@ -107,7 +108,7 @@ def check_seq_len(cfg: JobConfig, world_size: int) -> str | None:
                 "parallelism.pipeline_parallel_degree", "parallelism.context_parallel_degree")
 def check_global_batch(cfg: JobConfig, world_size: int) -> str | None:
     t = cfg.training
-    dp_degree = data_parallel_degree(cfg, world_size)
+    dp_degree = data_parallel_degree(cfg.parallelism, world_size)
     per_step = t.local_batch_size * dp_degree
     if t.global_batch_size == -1 or (t.global_batch_size >= per_step and t.global_batch_size % per_step == 0):
         return None
@@ -318,9 +319,9 @@ def check_wandb_installed(cfg: JobConfig, world_size: int) -> str | None:
 def check_degree_product(cfg: JobConfig, world_size: int) -> str | None:
     par = cfg.parallelism
     shard = par.data_parallel_shard_degree
-    fixed = (par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
-             * par.tensor_parallel_degree * (1 if shard == -1 else shard))
-    if (shard == -1 and world_size % fixed == 0) or fixed == world_size:
+    product = (par.pipeline_parallel_degree * par.data_parallel_replicate_degree * par.context_parallel_degree
+               * par.tensor_parallel_degree * resolved_shard_degree(par, world_size))
+    if product == world_size:
         return None
     return (f"--parallelism.pipeline_parallel_degree {par.pipeline_parallel_degree} x "
             f"--parallelism.data_parallel_replicate_degree {par.data_parallel_replicate_degree} x "
@@ -541,9 +542,7 @@ def check_mixture_of_experts(cfg: JobConfig, world_size: int) -> list[str]:
                         f"the mixture-of-experts flavor {model.flavor} yet: Titan's tensor-parallel plan covers "
                         f"attention and dense feed-forwards only. Split the experts with "
                         f"--parallelism.expert_parallel_degree (and FSDP) instead, or use a dense flavor.")
-    shard = par.data_parallel_shard_degree
-    if shard == -1:
-        shard = data_parallel_degree(cfg, world_size) // par.data_parallel_replicate_degree
+    shard = resolved_shard_degree(par, world_size)
     borrowed = shard * par.context_parallel_degree
     if borrowed % ep:
         problems.append(f"--parallelism.expert_parallel_degree {ep} must divide --parallelism."
@@ -715,13 +714,6 @@ def check_spike_rollback(cfg: JobConfig, world_size: int) -> str | None:
 def largest_divisor_at_most(limit: int, *sizes: int) -> int:
     """The largest degree up to `limit` that divides every one of `sizes` (a shape and the world size)."""
     return max(d for d in range(1, limit + 1) if all(size % d == 0 for size in sizes))
-
-
-def data_parallel_degree(cfg: JobConfig, world_size: int) -> int:
-    """Ranks that read distinct data: the world size over the pipeline, context and tensor-parallel degrees."""
-    par = cfg.parallelism
-    others = par.pipeline_parallel_degree * par.context_parallel_degree * par.tensor_parallel_degree
-    return max(world_size // max(others, 1), 1)
 
 
 RULES: tuple[Rule, ...] = (

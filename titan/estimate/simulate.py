@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from titan.config.hardware import Accelerator, simulated_accelerator
 from titan.config.job import JobConfig, Model
@@ -34,10 +35,9 @@ from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_pea
 from titan.metrics.log import logger
 from titan.models.families import FAMILIES
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
-from titan.parallel.pp import declare_static_shapes
 from titan.parallel.shards import local_shard
 from titan.train.anomalies import skips_update
-from titan.train.step import TrainingStep, build_training_step
+from titan.train.step import BuildMode, TrainingStep, build_training_step
 
 
 @dataclass(frozen=True)
@@ -187,6 +187,29 @@ def run_dry_run(cfg: JobConfig, world_size: int, rank: int, simulate_gpu: bool =
     return outcome
 
 
+def simulation_mode(fake_mode: FakeTensorMode) -> BuildMode:
+    """The trainer's build as a simulated rank runs it: fake tensors without values from the weights on, so no
+    compile (it runs real kernels), no FlexAttention (its mask is built from the batch's values), weights without
+    init, and an even spread of tokens over experts where the host reads their counts."""
+    return BuildMode(fake_mode=fake_mode, compile=False, flex_as_causal_sdpa=True, init_weights=False, valueless=True)
+
+
+def declare_static_shapes(schedule: _PipelineSchedule) -> None:
+    """torch 2.13's schedules vote over point-to-point sends whether every stage was given its shapes (static) or
+    must infer them; without peers to vote with (a dry run's fake process group), this rank's stages, which were
+    given theirs, are declared static directly. torch 2.11 and 2.12 have no vote and skip inference for stages given
+    their shapes."""
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def declare_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = declare_static
+
+
 def simulate_rank(request: RankRequest) -> DryRunResult:
     """The simulation of one rank, in the process gpu_rank.py started for it: the fake process group, the trainer's
     own build (titan/train/step.py) and two steps on fake tensors, on the simulated GPU's fake CUDA tensors under
@@ -198,7 +221,7 @@ def simulate_rank(request: RankRequest) -> DryRunResult:
     device = torch.device("cuda", 0) if gpu is not None else torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with simulated_gpu(gpu.name, gpu.capability, fake_mode) if gpu is not None else contextlib.nullcontext():
-        training = build_training_step(cfg, dims, device, *dry_run_vocabulary(cfg.model), fake_mode)
+        training = build_training_step(cfg, dims, device, *dry_run_vocabulary(cfg.model), simulation_mode(fake_mode))
         if training.model_parts.pipeline is not None:
             declare_static_shapes(training.model_parts.pipeline.schedule)
         recorder = record_step(training, fake_mode)

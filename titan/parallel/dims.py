@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from titan.config.degrees import resolved_shard_degree
 from titan.config.job import Comm, Parallelism
 from titan.metrics.log import logger
 
@@ -82,13 +83,10 @@ def resolve_dims(par: Parallelism, world_size: int, cpu_offload: bool) -> Parall
     """Degrees with data_parallel_shard_degree -1 replaced by the ranks left over; FSDP forced by
     --parallelism.force_fsdp or `cpu_offload` (FSDP's). Validation has checked that the degrees divide the world
     size."""
-    shard = par.data_parallel_shard_degree
-    if shard == -1:
-        shard = world_size // (par.pipeline_parallel_degree * par.data_parallel_replicate_degree
-                               * par.context_parallel_degree * par.tensor_parallel_degree)
     return ParallelDims(pp=par.pipeline_parallel_degree, dp_replicate=par.data_parallel_replicate_degree,
-                        dp_shard=shard, cp=par.context_parallel_degree, tp=par.tensor_parallel_degree,
-                        ep=par.expert_parallel_degree, force_fsdp=par.force_fsdp or cpu_offload)
+                        dp_shard=resolved_shard_degree(par, world_size), cp=par.context_parallel_degree,
+                        tp=par.tensor_parallel_degree, ep=par.expert_parallel_degree,
+                        force_fsdp=par.force_fsdp or cpu_offload)
 
 
 def init_distributed(comm: Comm, device: torch.device, dims: ParallelDims, dump_folder: Path,

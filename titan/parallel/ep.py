@@ -22,6 +22,7 @@ class ExpertParallelExperts(GroupedExperts):
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
         nn.Module.__init__(self)
         self.num_experts = experts.num_experts
+        self.valueless = experts.valueless
         self.ep_mesh = ep_mesh
         for name in ("w1", "w2", "w3"):
             weight = getattr(experts, name)
@@ -40,7 +41,8 @@ class ExpertParallelExperts(GroupedExperts):
         # one wait for the device. Every rank routes as many copies (tokens x top_k), so on the dry run's fake
         # tensors each receives as many as it sends.
         per_rank = torch.stack([counts.view(ep, local).sum(dim=1), received_counts.view(ep, local).sum(dim=1)])
-        send_splits, receive_splits = host_counts(per_rank, x.size(0))  # (2, ep): tokens to, then from, each rank
+        # (2, ep): tokens to, then from, each rank
+        send_splits, receive_splits = host_counts(per_rank, x.size(0), self.valueless)
         received = all_to_all_single_autograd(x, receive_splits, send_splits, group=group)
         # received is grouped by source rank, then expert; the grouped matmul wants it grouped by expert.
         order = expert_major_order(received_counts, ep, local, num_rows=received.size(0))
@@ -49,7 +51,7 @@ class ExpertParallelExperts(GroupedExperts):
         # weights' gradients are (FSDP's gradient_divide_factor would do it in the reduction, but gloo has no
         # PREMUL_SUM).
         weights = [scale_gradient(weight.to_local(), 1 / ep) for weight in (self.w1, self.w2, self.w3)]
-        outputs = grouped_swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights)
+        outputs = grouped_swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights, self.valueless)
         unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs)  # back to (source rank, expert) order
         return all_to_all_single_autograd(unsorted, send_splits, receive_splits, group=group)
 
@@ -80,14 +82,30 @@ def expert_major_order(received_counts: Tensor, ep: int, local: int, num_rows: i
     return expert_major_key.argsort(stable=True)
 
 
-def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Replace every MoE layer's experts of `model` (on meta) with ExpertParallelExperts over `ep_mesh`. FQNs stay
-    (layers.<i>.moe.experts.w1, ...): checkpoints hold whole experts and reshard across EP degrees."""
-    count = 0
-    for name, module in list(model.named_modules()):
-        if type(module) is GroupedExperts:
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, ExpertParallelExperts(module, ep_mesh))
-            count += 1
-    logger.info(f"Applied expert parallel (degree {ep_mesh.size()}) to the experts of {count} MoE layers: "
+def block_experts(model: nn.Module, experts: str) -> dict[str, nn.Module]:
+    """Each block's experts (the module at FQN `experts` within the block, a family's plan names it) by block name;
+    dense blocks have none."""
+    found = {}
+    for name, block in model.layers.items():
+        try:
+            found[name] = block.get_submodule(experts)
+        except AttributeError:
+            continue
+    return found
+
+
+def has_experts(model: nn.Module, experts: str) -> bool:
+    """Whether any block of `model` (a decoder, or a pipeline stage of one) has experts at FQN `experts`."""
+    return bool(block_experts(model, experts))
+
+
+def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, experts: str) -> None:
+    """Replace every block's experts (at FQN `experts` within the block) of `model` (on meta) with
+    ExpertParallelExperts over `ep_mesh`. FQNs stay (layers.<i>.moe.experts.w1, ...): checkpoints hold whole experts
+    and reshard across EP degrees."""
+    found = block_experts(model, experts)
+    parent, _, child = experts.rpartition(".")
+    for name, module in found.items():
+        setattr(model.layers[name].get_submodule(parent), child, ExpertParallelExperts(module, ep_mesh))
+    logger.info(f"Applied expert parallel (degree {ep_mesh.size()}) to the experts of {len(found)} MoE layers: "
                 f"all-to-all token exchange")

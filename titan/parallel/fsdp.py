@@ -6,6 +6,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from titan.metrics.log import logger
+from titan.parallel.ep import block_experts
 
 
 def reshard_block_after_forward(policy: str, layer_index: int, num_layers: int) -> bool:
@@ -43,15 +44,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
                 + (", shards, gradients and optimizer state in host memory)" if cpu_offload else ")"))
 
 
-def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-                      cpu_offload: bool = False) -> None:
-    """Shard every MoE layer's expert-parallel experts over `mesh` (the data-parallel ranks that hold the same
+def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, experts: str, param_dtype: torch.dtype,
+                      reduce_dtype: torch.dtype, cpu_offload: bool = False) -> None:
+    """Shard every block's expert-parallel experts (at FQN `experts` within the block, a family's plan names it)
+    over `mesh` (the data-parallel ranks that hold the same
     experts: the block's FSDP can't, since their weights are already DTensors over ranks of its own mesh), each
     layer's experts one FSDP unit inside its block's. Their gradients are averaged over `mesh` like any FSDP
     gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py). `cpu_offload` keeps them in host
     memory with the rest of the model's shards, so that every gradient, and its norm, is on one device."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    units = [block.moe.experts for block in model.layers.values() if hasattr(block, "moe")]
+    units = list(block_experts(model, experts).values())
     for experts in units:
         fully_shard(experts, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload))
     logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers"

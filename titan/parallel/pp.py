@@ -164,22 +164,6 @@ def build_schedule(pipeline: Pipeline, example_io: StageExamples) -> _PipelineSc
                           scale_grads=False)
 
 
-def declare_static_shapes(schedule: _PipelineSchedule) -> None:
-    """torch 2.13's schedules vote over point-to-point sends whether every stage was given its shapes (static) or
-    must infer them; without peers to vote with (a dry run's fake process group), this rank's stages, which were
-    given theirs, are declared static directly. torch 2.11 and 2.12 have no vote and skip inference for stages given
-    their shapes."""
-    if not hasattr(schedule, "_warmup_p2p"):
-        return
-    from torch.distributed.pipelining._utils import InferenceMode
-
-    def declare_static(stages: list, has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    schedule._warmup_p2p = declare_static
-
-
 def log_schedule(plan: StagePlan, schedule: str, pp: int, num_microbatches: int, microbatch_size: int) -> None:
     """The schedule report: every rank's stages and blocks, the microbatches, and the ideal bubble."""
     per_rank = plan.num_stages // pp

@@ -1,5 +1,5 @@
-"""Tensor parallel for Llama with DTensor: Megatron column/row splits, sequence parallel on the norms, and a
-loss computed on vocab-sharded logits."""
+"""Tensor parallel with DTensor, as a family's plan names the modules: Megatron column/row splits, sequence parallel
+on the norms, and a loss computed on vocab-sharded logits."""
 
 import contextlib
 
@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -19,11 +20,36 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titan.metrics.log import logger
+from titan.models.common.decoder import tie_output
 from titan.models.common.loss import IGNORE_INDEX, LogitsLoss, OutputLoss
+from titan.models.common.parallel_plan import ParallelPlan, TensorParallelStyle
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_tp: bool) -> None:
-    """Shard `model` (a Llama Transformer, or a pipeline stage of one) over `tp_mesh` in place.
+def tensor_parallel_style(style: TensorParallelStyle, loss_parallel: bool) -> ParallelStyle:
+    """torch's style for one of a plan's kinds of split (titan/models/common/parallel_plan.py says what each is).
+    The residual stream between blocks stays a sequence-sharded DTensor (use_local_output=False)."""
+    if style == "vocab_embedding":  # the vocab's partial sums reduce-scattered along the sequence
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False)
+    if style == "vocab_output":
+        return ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                               use_local_output=not loss_parallel)
+    if style == "sequence_norm":
+        return SequenceParallel()
+    if style == "head_norm":  # (bs, seq, local_heads, head_dim): the heads dimension, 2, is sharded
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style == "gather_input":
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if style == "gather_attention_input":  # (x, rotary rows, attention mask): only x is a DTensor
+        return PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    raise AssertionError(f"unknown tensor-parallel style {style!r}")
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: ParallelPlan, loss_parallel: bool, async_tp: bool) -> None:
+    """Shard `model` (a decoder, or a pipeline stage of one) over `tp_mesh` in place, as its family's `plan` says.
 
     Activations between blocks stay sharded along the sequence (Shard(1)); each attention/FFN gathers them,
     splits heads / hidden units column-wise, and reduce-scatters back after its row-wise output projection.
@@ -34,16 +60,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
     backward a plain gradient where a DTensor redistribute expects a DTensor, which fails under TP alone and
     silently changed gradients under FSDP + TP.
     """
-    root_plan = {
-        # Embedding rows are split over the vocab; the partial sums are reduce-scattered along the sequence.
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    }
-    # A pipeline stage without some of these parts (None) sends and receives the sequence-sharded residual stream
-    # as plain local tensors, which is what pipelining transports.
-    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items()
+    # A pipeline stage without some of the root's parts (None) sends and receives the sequence-sharded residual
+    # stream as plain local tensors, which is what pipelining transports.
+    parallelize_module(model, tp_mesh, {name: tensor_parallel_style(style, loss_parallel)
+                                        for name, style in plan.root_tensor_parallel.items()
                                         if getattr(model, name) is not None})
     if model.tok_embeddings is None:
         parallelize_module(model, tp_mesh, PrepareModuleInput(input_layouts=(Shard(1),),
@@ -52,24 +72,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, async_t
         parallelize_module(model, tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
                                                                desired_output_layouts=Shard(1)))
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            # (x, rotary rows, attention mask): only x is a DTensor.
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        parallelize_module(block, tp_mesh, {name: tensor_parallel_style(style, loss_parallel)
+                                            for name, style in plan.tensor_parallel.items()})
     if model.output is not None:
         model.output_loss = TensorParallelOutputLoss(model.output_loss.vocab_size, model.output.out_features,
                                                      model.output_loss.chunk_size, tp_mesh, loss_parallel)
+    # TP distributed a tied embedding and output separately; both are Shard(0) over the vocab, so the output can
+    # take the embedding's DTensor back.
+    tie_output(model)
     if async_tp:
         from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 

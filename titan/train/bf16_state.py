@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
 from titan.parallel.shards import local_shard
@@ -108,11 +107,15 @@ class BF16StateAdam(torch.optim.Optimizer):
     """The trainer may set `found_inf` (a 0-dim float on the device) before step(): non-zero skips the update."""
 
     def __init__(self, params: Iterable[dict[str, Any]], lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool, state_dtype: torch.dtype = torch.bfloat16) -> None:
-        """`state_dtype` float32 stores the moments unrounded: the same update as torch's Adam(W), to test against."""
+                 weight_decay: float, decoupled: bool, state_dtype: torch.dtype = torch.bfloat16,
+                 compiled: bool = True) -> None:
+        """`state_dtype` float32 stores the moments unrounded: the same update as torch's Adam(W), to test against.
+        `compiled`: the update as one compiled kernel per parameter; off where tensors have no values to run kernels
+        on (the dry run's fake tensors)."""
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.decoupled = decoupled
         self.state_dtype = state_dtype
+        self.compiled = compiled
         self.register_load_state_dict_post_hook(BF16StateAdam.restore_state_dtype)
 
     @staticmethod
@@ -146,7 +149,7 @@ class BF16StateAdam(torch.optim.Optimizer):
             exp_avg, exp_avg_sq = local_shard(state["exp_avg"]).view(-1), local_shard(state["exp_avg_sq"]).view(-1)
             # whether to apply the update: a flag on the device, never read on the host
             apply = torch.ones((), dtype=torch.bool, device=weights.device) if found_inf is None else found_inf == 0
-            update = adam_update if is_fake(weights) else compiled_adam_update()
+            update = compiled_adam_update() if self.compiled else adam_update
             # keyed by the step count the update will have: a skipped step's bits go unused and come at the next one
             keys = rounding_keys(state["step"] + 1, param_index)
             # The rates as 0-dim device tensors (a fill kernel each, no copy from the host): as Python floats the

@@ -13,14 +13,15 @@ from titan.metrics.log import logger
 from titan.train.bf16_state import BF16StateAdam
 
 
-def build_optimizer(model: nn.Module, cfg: Optimizer) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Optimizer, compile_update: bool = True) -> torch.optim.Optimizer:
     """Adam or AdamW over every trainable parameter in parameter groups (parameter_groups), with the kernel the
-    config names, or with bfloat16 moments (BF16StateAdam) under --optimizer.state_dtype bfloat16."""
+    config names, or with bfloat16 moments (BF16StateAdam) under --optimizer.state_dtype bfloat16, whose update is
+    compiled unless `compile_update` is off (the dry run's fake tensors have no values to run compiled kernels on)."""
     groups = parameter_groups(model, cfg)
     if cfg.state_dtype == "bfloat16":
         logger.info("Optimizer state: Adam's moments in bfloat16 with stochastic rounding (--optimizer.state_dtype)")
         return BF16StateAdam(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, decoupled=cfg.name == "AdamW")
+                             weight_decay=cfg.weight_decay, decoupled=cfg.name == "AdamW", compiled=compile_update)
     optimizer_class = torch.optim.AdamW if cfg.name == "AdamW" else torch.optim.Adam
     implementation = kernel_for_device(cfg.implementation, groups[0]["params"][0].device.type)
     return optimizer_class(

@@ -1,8 +1,8 @@
 """What a training step runs on, built in the pipeline's order, and the step itself.
 
 build_training_step goes from the device mesh to the optimizer: model args, the loss, the model built on meta,
-converters, pipeline stages, TP/EP/CP/AC/compile/FSDP (the family's plan in titan/parallel/plans.py), weights, optimizer
-and LR schedule.
+converters, pipeline stages, TP/EP/CP/AC/compile/FSDP (titan/parallel/parallelize.py, with the family's parallel plan),
+weights, optimizer and LR schedule.
 The trainer (titan/train/trainer.py) builds it and adds data, checkpoints and metrics around it; the dry run
 (titan/estimate/simulate.py) builds the same on fake tensors. A stage added here is in both.
 """
@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan.config.degrees import accumulation_steps
 from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig, Training
@@ -23,15 +24,16 @@ from titan.metrics.log import logger
 from titan.models.common.attention import document_layout, sequence_positions
 from titan.models.common.batch import MicroBatch
 from titan.models.common.decoder import tie_output
+from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_params
 from titan.models.common.loss import mask_cross_document_targets, num_valid_targets
-from titan.models.families import FAMILIES, BuildOptions, ModelFamily
+from titan.models.families import FAMILIES
 from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.fsdp import apply_to_empty
 from titan.parallel.init import apply_full_init, full_copy_fits, needs_full_init
-from titan.parallel.plans import PARALLELIZE_PLANS
+from titan.parallel.parallelize import parallelize_model
 from titan.parallel.pp import Pipeline, StageShapes, build_pipeline
 from titan.parallel.reductions import clip_grad_norm_, full_value, loss_sum
 from titan.parallel.shards import local_shard
@@ -112,7 +114,7 @@ class TrainingStep:
         scale = self.num_loss_shares / self.global_valid_targets(micro_batches)
         loss_sum_local = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
-            loss_sum_local += self.forward_backward(micro_batch, scale)
+            loss_sum_local += self.run_micro_batch(micro_batch, scale, backward=True)
         pp_mesh = self.meshes.pp if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.train_cfg.max_norm, pp_mesh)
         # Under --training.enable_cpu_offload the gradients, and so their norm, are in host memory.
@@ -138,16 +140,19 @@ class TrainingStep:
                 local += num_valid_targets(micro_batch.labels)
         return self.global_sum(local).clamp(min=1)
 
-    def forward_backward(self, micro_batch: MicroBatch, scale: Tensor) -> Tensor:
-        """One micro-batch, forward and backward, of the loss sum times `scale`: that loss, detached (the sum over
-        the pipeline's micro-batches under pipeline parallel, zero on ranks without the last stage)."""
+    def run_micro_batch(self, micro_batch: MicroBatch, scale: Tensor, backward: bool) -> Tensor:
+        """One micro-batch through the model, or its pipeline under pipeline parallel: forward, and with `backward`
+        the backward of the loss sum times `scale`. Returns that loss, detached (the sum over the pipeline's
+        micro-batches under pipeline parallel, zero on ranks without the last stage)."""
         with loss_parallel_context(self.loss_parallel):
             if self.model_parts.pipeline is not None:
+                run = self.model_parts.pipeline.step if backward else self.model_parts.pipeline.eval
                 with self.autocast():
-                    return self.model_parts.pipeline.step(micro_batch, scale)
+                    return run(micro_batch, scale)
             with self.autocast():
                 loss = self.model(micro_batch.inputs, labels=micro_batch.labels, **micro_batch.model_inputs()) * scale
-            loss.backward()
+            if backward:
+                loss.backward()
         return full_value(loss.detach())
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -222,33 +227,42 @@ class TrainingStep:
         """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks
         without the last pipeline stage."""
         micro_batch = self.micro_batch(inputs, labels)
-        with loss_parallel_context(self.loss_parallel):
-            if self.model_parts.pipeline is not None:
-                one = torch.ones((), device=self.device)
-                with self.autocast():
-                    loss_sum = self.model_parts.pipeline.eval(micro_batch, one)
-                if not self.model_parts.pipeline.holds_last_stage:
-                    return loss_sum, torch.zeros((), device=self.device)
-            else:
-                with self.autocast():
-                    loss_sum = full_value(self.model(micro_batch.inputs, labels=micro_batch.labels,
-                                                   **micro_batch.model_inputs()))
+        loss_sum = self.run_micro_batch(micro_batch, torch.ones((), device=self.device), backward=False)
+        if self.model_parts.pipeline is not None and not self.model_parts.pipeline.holds_last_stage:
+            return loss_sum, torch.zeros((), device=self.device)
         return loss_sum, num_valid_targets(micro_batch.labels).float()
 
 
+@dataclass(frozen=True)
+class BuildMode:
+    """How build_training_step builds: for training (the defaults), or as the dry run simulates a GPU rank
+    (titan/estimate/simulate.py's mode). Each choice a simulation makes is a field here, and reaches the model and
+    the optimizer as an argument: neither asks whether its tensors are fake."""
+
+    fake_mode: FakeTensorMode | None = None
+    """From the weights on, every tensor is a fake tensor of this mode: shapes, dtypes and devices, no values."""
+    compile: bool = True
+    """Honour --compile.enable. Off for fake tensors: torch.compile runs real kernels. Checkpointed blocks still keep
+    attention as the requested compile setting would."""
+    flex_as_causal_sdpa: bool = False
+    """Run causal flash SDPA where the job asks for FlexAttention: a BlockMask is built from the batch's values."""
+    init_weights: bool = True
+    """Fill the weights; off: give them storage only (trunc_normal_ reads data, which fake tensors have none of)."""
+    valueless: bool = False
+    """Tensors carry no values: mixtures of experts spread their tokens evenly where the host reads counts
+    (MoEArgs.valueless), and the bfloat16-state optimizer's update runs eagerly."""
+
+
 def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int, eos_id: int,
-                        fake_mode: FakeTensorMode | None = None) -> TrainingStep:
+                        mode: BuildMode = BuildMode()) -> TrainingStep:
     """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
-    its process group. `eos_id`: the tokenizer's EOS, which ends every document (block-causal attention).
-    `fake_mode`: the dry run's fake tensors, from the weights on (titan/estimate/simulate.py).
-    There the weights get storage but no values (trunc_normal_ reads data, which fake tensors have none of), and
-    torch.compile stays off (it runs real kernels), while checkpointed blocks keep attention as the simulated GPU
-    rank would with the requested compile setting."""
+    its process group. `eos_id`: the tokenizer's EOS, which ends every document (block-causal attention). `mode`:
+    for training, or the dry run's simulation (BuildMode)."""
     meshes = build_meshes(dims, device)
-    set_seed(cfg.training.seed, cfg.training.deterministic and fake_mode is None)
-    compile_cfg = cfg.compile if fake_mode is None else replace(cfg.compile, enable=False)
+    set_seed(cfg.training.seed, cfg.training.deterministic and mode.fake_mode is None)
+    compile_cfg = cfg.compile if mode.compile else replace(cfg.compile, enable=False)
     attn_backend, block_causal = cfg.model.attn_backend, cfg.model.attn_mask_type == "block_causal"
-    if fake_mode is not None and attn_backend == "flex":
+    if mode.flex_as_causal_sdpa and attn_backend == "flex":
         # A FlexAttention block mask is built from the batch's values, which fake tensors have none of. Causal flash
         # SDPA stands in: the same memory (outputs and log-sum-exps) and the causal half of the attention work, which
         # bounds FlexAttention's block-causal work from above (it skips every masked block). Under context parallel
@@ -262,24 +276,23 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         vocab_size=vocab_size, vocab_size_multiple_of=cfg.model.vocab_size_multiple_of,
         max_seq_len=cfg.training.seq_len, attn_backend=attn_backend, loss_chunk_size=cfg.training.loss_chunk_size,
         moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
-        moe_load_balance_coeff=cfg.moe.load_balance_coeff))
+        moe_load_balance_coeff=cfg.moe.load_balance_coeff, valueless=mode.valueless))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.compile.enable,
                                      on_gpu=device.type == "cuda")
-    parallelize = functools.partial(PARALLELIZE_PLANS[family.name], dims=dims, meshes=meshes, par=cfg.parallelism,
-                                    ac=cfg.activation_checkpoint, train=cfg.training, compile_cfg=compile_cfg,
-                                    keep_attention=keep_attention,
-                                    block_causal=block_causal)
+    parallelize = functools.partial(parallelize_model, plan=family.parallel_plan, dims=dims, meshes=meshes,
+                                    par=cfg.parallelism, ac=cfg.activation_checkpoint, train=cfg.training,
+                                    compile_cfg=compile_cfg, keep_attention=keep_attention, block_causal=block_causal)
     model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
-    with fake_mode or contextlib.nullcontext():
-        if fake_mode is None:
+    with mode.fake_mode or contextlib.nullcontext():
+        if mode.init_weights:
             init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled,
                                cpu_offload=cfg.training.enable_cpu_offload)
         else:
             for part in model_parts.parts:
                 apply_to_empty(part, device, cfg.training.enable_cpu_offload)
         model_parts.model.train()
-        optimizer = build_optimizer(model_parts.model, cfg.optimizer)
+        optimizer = build_optimizer(model_parts.model, cfg.optimizer, compile_update=not mode.valueless)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
                         eos_id=eos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
@@ -297,12 +310,12 @@ def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:
 
 
 def count_accumulation_steps(training: Training, dp_degree: int) -> int:
-    """Micro-batches per optimizer step: global batch / (local batch x data-parallel degree)."""
-    if training.global_batch_size == -1:
-        return 1
-    steps = training.global_batch_size // (training.local_batch_size * dp_degree)
-    logger.info(f"Global batch {training.global_batch_size}: {steps} gradient accumulation steps of "
-                f"{training.local_batch_size} sequences on each of {dp_degree} data-parallel ranks")
+    """Micro-batches per optimizer step (titan/config/degrees.py accumulation_steps), said in the log when the
+    global batch sets them."""
+    steps = accumulation_steps(training, dp_degree)
+    if training.global_batch_size != -1:
+        logger.info(f"Global batch {training.global_batch_size}: {steps} gradient accumulation steps of "
+                    f"{training.local_batch_size} sequences on each of {dp_degree} data-parallel ranks")
     return steps
 
 

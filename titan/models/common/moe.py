@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 
 
 @dataclass(frozen=True)
@@ -32,18 +31,22 @@ class MoEArgs:
     load_balance_coeff: float = 0.0
     """Auxiliary-loss-free balancing (DeepSeek-V3): each step moves every expert's routing bias by this much
     towards balance; 0: no bias."""
+    valueless: bool = False
+    """The tensors carry no values (the dry run's fake tensors): token counts that the host reads are taken as an
+    even spread of the tokens over the experts, the balance the router is trained towards, and torch._grouped_mm runs
+    only where its shape rule allows it (bf16)."""
 
 
-def grouped_mm_supported(x: Tensor) -> bool:
+def grouped_mm_supported(x: Tensor, valueless: bool) -> bool:
     """Whether torch._grouped_mm runs for x's device and dtype: on CUDA from Hopper (SM90) in bf16, which is what
-    its CUDA kernels take; on the CPU in any float dtype, but compiled or fake (a dry run) only in bf16, since
-    torch 2.13's shape rule for the op asks for bf16 whatever the device."""
+    its CUDA kernels take; on the CPU in any float dtype, but compiled or `valueless` (fake tensors, whose ops run
+    the shape rule alone) only in bf16, since torch 2.13's shape rule for the op asks for bf16 whatever the device."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     return x.device.type == "cpu" and (x.dtype == torch.bfloat16
-                                       or not (torch.compiler.is_compiling() or is_fake(x)))
+                                       or not (torch.compiler.is_compiling() or valueless))
 
 
 def matmul_dtype(x: Tensor) -> torch.dtype:
@@ -54,12 +57,13 @@ def matmul_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, valueless: bool) -> Tensor:
     """Each expert's SwiGLU over its block of x: x (tokens, dim) holds expert 0's counts[0] rows, then expert 1's,
-    ...; w1, w3 (experts, hidden, dim) and w2 (experts, dim, hidden) -> (tokens, dim). Experts may get no rows."""
+    ...; w1, w3 (experts, hidden, dim) and w2 (experts, dim, hidden) -> (tokens, dim). Experts may get no rows.
+    `valueless`: MoEArgs.valueless."""
     dtype = matmul_dtype(x)
     x, w1, w2, w3 = (tensor.to(dtype) for tensor in (x, w1, w2, w3))
-    if grouped_mm_supported(x):
+    if grouped_mm_supported(x, valueless):
         offsets = counts.cumsum(0).to(torch.int32)  # where each expert's block ends
         # _grouped_mm multiplies block i of x by matrix i of a (experts, in, out) tensor: the weights transposed.
         hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
@@ -67,15 +71,15 @@ def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
         return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
     # Elsewhere one matmul per expert; the block sizes are read on the host (a graph break under compile).
     outputs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
-               for e, rows in enumerate(x.split(host_counts(counts, x.size(0))))]
+               for e, rows in enumerate(x.split(host_counts(counts, x.size(0), valueless)))]
     return torch.cat(outputs)
 
 
-def host_counts(counts: Tensor, total: int) -> list[int] | list[list[int]]:
+def host_counts(counts: Tensor, total: int, valueless: bool) -> list[int] | list[list[int]]:
     """counts (a 1-D tensor adding up to `total`, or 2-D with every row adding up to it) as Python ints, for ops
-    that take sizes, in one read. The dry run's fake tensors have no values: there the `total` rows are spread
-    evenly, the balance the router is trained towards."""
-    if is_fake(counts):
+    that take sizes, in one read. `valueless` tensors (MoEArgs.valueless) have no counts to read: the `total` rows are
+    spread evenly, the balance the router is trained towards."""
+    if valueless:
         share, extra = divmod(total, counts.size(-1))
         row = [share + (i < extra) for i in range(counts.size(-1))]
         return row if counts.dim() == 1 else [list(row) for _ in range(counts.size(0))]
@@ -85,16 +89,17 @@ def host_counts(counts: Tensor, total: int) -> list[int] | list[list[int]]:
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU experts as three stacked weight tensors (one matmul per weight over every expert)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, valueless: bool = False) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.valueless = valueless
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (tokens, dim) sorted by expert, counts (num_experts,): each expert's rows -> (tokens, dim)."""
-        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3)
+        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.valueless)
 
 
 class Router(nn.Module):
@@ -155,7 +160,7 @@ class MoE(nn.Module):
         self.top_k = moe.top_k
         self.aux_loss_weight = moe.aux_loss_weight
         self.router = Router(dim, moe)
-        self.experts = GroupedExperts(moe.num_experts, dim, moe.hidden_dim)
+        self.experts = GroupedExperts(moe.num_experts, dim, moe.hidden_dim, moe.valueless)
         self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:

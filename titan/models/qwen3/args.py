@@ -67,10 +67,12 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
 
 def build_qwen3_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
                      attn_backend: AttnBackend, loss_chunk_size: int, aux_loss_weight: float,
-                     load_balance_coeff: float) -> Qwen3Args:
+                     load_balance_coeff: float, valueless: bool = False) -> Qwen3Args:
     """The flavor's shape with a tokenizer's vocab, a rotary table of max_seq_len positions, an attention kernel,
-    the output loss's chunk size and, for MoE flavors, the load-balancing settings."""
+    the output loss's chunk size and, for MoE flavors, the load-balancing settings and whether the tensors carry no
+    values (MoEArgs.valueless)."""
     args = QWEN3_FLAVORS[flavor]
-    moe = args.moe and replace(args.moe, aux_loss_weight=aux_loss_weight, load_balance_coeff=load_balance_coeff)
+    moe = args.moe and replace(args.moe, aux_loss_weight=aux_loss_weight, load_balance_coeff=load_balance_coeff,
+                               valueless=valueless)
     return replace(args, vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of,
                    max_seq_len=max_seq_len, attn_backend=attn_backend, loss_chunk_size=loss_chunk_size, moe=moe)
