@@ -137,8 +137,9 @@ def trainer_invocation(text: str) -> Invocation | None:
     return None
 
 
-SHORT_STEPS = "2"
-"""The steps a training command runs here: its first and last step are logged."""
+SHORT_STEPS = "1"
+"""The steps a training command runs here: one, logged, that takes the job's every stage (a later step takes the
+same ones)."""
 MAX_CHECKPOINT_STEPS = 20
 """A checkpointing command of at most this many steps runs them all: the docs go on from its step folders."""
 
@@ -153,8 +154,10 @@ def shortened(argv: list[str]) -> list[str]:
 
 
 def shortened_script(text: str) -> str:
-    """A script's command in its cheapest form: a benchmark's --steps cut to 2 (its runs still alternate)."""
-    return re.sub(r"(--steps )(\d+)", lambda m: m.group(1) + min(m.group(2), "2", key=int), text)
+    """A script's command in its cheapest form: a benchmark's --steps cut to 2 and its --repeats to 1 (its runs still
+    alternate, once each)."""
+    text = re.sub(r"(--steps )(\d+)", lambda m: m.group(1) + min(m.group(2), "2", key=int), text)
+    return re.sub(r"(--repeats )(\d+)", lambda m: m.group(1) + "1", text)
 
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
