@@ -29,9 +29,10 @@ from harness.torchrun import CaseResults, run_cases
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
-STEPS = 3
-# fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 3 steps move the weights visibly. Each run
-# ends with an evaluation of 2 held-out batches under its layout.
+STEPS = 2
+# fp32 everywhere so layouts can agree to 1e-5; an lr high enough that 2 steps move the weights visibly (the second
+# update reads the Adam moments of the first, so the optimizer state's layout counts too). Each run ends with an
+# evaluation of 2 held-out batches under its layout.
 BASE = ["--job.config_file", DEBUG_TOML, "--training.steps", str(STEPS), "--training.seq_len", "64",
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1",
         "--validation.enable", "--validation.steps", "2"]
@@ -532,8 +533,8 @@ def test_low_precision_under_fsdp_tp_and_cp(runs: CaseResults, case: str) -> Non
     got, reference = runs[case], runs[LAYOUTS[case].reference]
     torch.testing.assert_close(got["losses"][0], reference["losses"][0], rtol=FIRST_STEP_RTOL[case], atol=0)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-3, atol=0)
-    # Training moved far more than the 1e-3 agreement (0.008 nats): 3 steps take 0.28 nats off on torch 2.13.
-    assert reference["losses"][-1] < reference["losses"][0] - 0.1
+    # Training moved far more than the 1e-3 agreement (0.008 nats): 2 steps take 0.1 nats off on torch 2.13.
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05
 
 
 @pytest.mark.parametrize("case", ["fsdp2_bf16_state", "tp2_bf16_state"])
@@ -545,15 +546,15 @@ def test_bf16_optimizer_state_under_fsdp_and_tp(runs: CaseResults, case: str) ->
     got, reference = runs[case], runs[LAYOUTS[case].reference]
     assert got["losses"][0] == pytest.approx(reference["losses"][0], rel=1e-6)
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-3, atol=0)
-    # Training moved far more than the 1e-3 agreement (0.008 nats): 3 steps take 0.28 nats off on torch 2.13.
-    assert reference["losses"][-1] < reference["losses"][0] - 0.1
+    # Training moved far more than the 1e-3 agreement (0.008 nats): 2 steps take 0.1 nats off on torch 2.13.
+    assert reference["losses"][-1] < reference["losses"][0] - 0.05
 
 
 @pytest.mark.parametrize("case", ["tp2_bf16_state"])
 def test_bf16_optimizer_state_keeps_tp_replicated_parameters_identical(runs: CaseResults, case: str) -> None:
     """What the rounding bits are keyed by counters for (titan/train/bf16_state.py): the parameters TP replicates
     (the norms) get the same gradient on both TP ranks, so the same update with the same rounding keeps their copies
-    bit for bit equal after 3 steps. Bits drawn from a generator, or keyed by rank, would let them drift apart."""
+    bit for bit equal after every step. Bits drawn from a generator, or keyed by rank, would let them drift apart."""
     first, second = runs[case]["replicated_by_tp_rank"]
     assert first.keys() == second.keys() and any(name.endswith("attention_norm.weight") for name in first)
     for name, value in first.items():
