@@ -438,7 +438,7 @@ def production_table(args: argparse.Namespace, argv: list[str]) -> None:
         variants["validation"] += ["--validation.freq", str(max(steps // 5, 1))]
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     evaluations: list[dict] = []
-    for _ in range(max(args.repeats, 3)):
+    for _ in range(args.repeats):
         for name, flags in variants.items():
             run_seconds, records = timed_run(argv, ["--training.steps", str(steps), "--metrics.log_freq",
                                                     str(steps), *flags])
@@ -732,7 +732,7 @@ def main() -> None:
         measure_rank_memory(args, argv)
         return
     if args.checkpoint:
-        checkpoint_table(argv, max(args.repeats, 3))
+        checkpoint_table(argv, args.repeats)
         return
     if args.pipeline is not None:
         pipeline_table(args, argv)

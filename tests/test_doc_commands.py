@@ -1,5 +1,6 @@
 """Every shell command of README.md and docs/*.md, run as a new user pastes it, in a folder laid out as a fresh
-clone (tests/harness/doc_commands.py reads them): training commands shortened to one step, the rest as written.
+clone (tests/harness/doc_commands.py reads them): training commands shortened to one step of short sequences, the
+rest as written.
 A command fails the test when it fails, when a flag is rejected, or when it needs a file that a fresh clone lacks
 and that no earlier command of its block (or the block it continues) makes. Commands that cannot run here say why
 in the doc ([needs a GPU], ...) and are skipped with that reason. Output a doc quotes is checked against what its

@@ -140,17 +140,22 @@ def trainer_invocation(text: str) -> Invocation | None:
 SHORT_STEPS = "1"
 """The steps a training command runs here: one, logged, that takes the job's every stage (a later step takes the
 same ones)."""
+SHORT_SEQ_LEN = "64"
+"""The sequence length a training command runs at here: the parity tests' (tests/test_parallel.py), which take every
+layout's and converter's path (context parallel's shards and float8's token counts still divide), at a quarter of the
+debug config's cost per step."""
 MAX_CHECKPOINT_STEPS = 20
 """A checkpointing command of at most this many steps runs them all: the docs go on from its step folders."""
 
 
 def shortened(argv: list[str]) -> list[str]:
-    """`argv` with --training.steps cut to SHORT_STEPS (a later flag wins), except for a checkpointing command that
-    names at most MAX_CHECKPOINT_STEPS steps."""
+    """`argv` with sequences of SHORT_SEQ_LEN tokens and --training.steps cut to SHORT_STEPS (a later flag wins),
+    except for the steps of a checkpointing command that names at most MAX_CHECKPOINT_STEPS."""
+    shorter = [*argv, "--training.seq_len", SHORT_SEQ_LEN]
     steps = [int(argv[i + 1]) for i, arg in enumerate(argv[:-1]) if arg == "--training.steps"]
     if "--checkpoint.enable" in argv and steps and steps[-1] <= MAX_CHECKPOINT_STEPS:
-        return argv
-    return [*argv, "--training.steps", SHORT_STEPS]
+        return shorter
+    return [*shorter, "--training.steps", SHORT_STEPS]
 
 
 def shortened_script(text: str) -> str:
