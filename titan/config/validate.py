@@ -531,7 +531,7 @@ def check_mixture_of_experts(cfg: JobConfig, world_size: int) -> list[str]:
         if ep > 1:
             problems.append(f"--parallelism.expert_parallel_degree {ep} needs a mixture-of-experts flavor, and "
                             f"--model.name {model.name} --model.flavor {model.flavor} has no experts. Use 1, or "
-                            f"--model.name qwen3 with --model.flavor debugmodel_moe, 30B-A3B or 235B-A22B.")
+                            f"{mixture_of_experts_flavors()}.")
         if cfg.moe.aux_loss_weight > 0:
             problems.append(f"--moe.aux_loss_weight {cfg.moe.aux_loss_weight} only applies to mixture-of-experts "
                             f"flavors, and --model.flavor {model.flavor} has no experts. Set it to 0.")
@@ -709,6 +709,18 @@ def check_spike_rollback(cfg: JobConfig, world_size: int) -> str | None:
                 "is none to reload. Add --checkpoint.enable (and a --checkpoint.interval to roll back to), or use "
                 "--training.on_spike skip.")
     return None
+
+
+def mixture_of_experts_flavors() -> str:
+    """The registered flavors with experts, for messages: "--model.name qwen3 with --model.flavor debugmodel_moe,
+    30B-A3B or 235B-A22B"."""
+    choices = []
+    for name, family in FAMILIES.items():
+        flavors = [flavor for flavor, args in family.flavors.items() if getattr(args, "moe", None) is not None]
+        if flavors:
+            listed = flavors[0] if len(flavors) == 1 else f"{', '.join(flavors[:-1])} or {flavors[-1]}"
+            choices.append(f"--model.name {name} with --model.flavor {listed}")
+    return "; or ".join(choices)
 
 
 def largest_divisor_at_most(limit: int, *sizes: int) -> int:

@@ -59,7 +59,7 @@ class ModelParts:
 
     family: ModelFamily
     args: object
-    """The family's shape (llama.ModelArgs, qwen3.Qwen3Args)."""
+    """The family's shape (its DecoderArgs)."""
     parts: list[nn.Module]
     """The modules this rank runs: its pipeline stages in order, or the whole model as one part."""
     model: nn.Module
