@@ -1,5 +1,6 @@
-"""Pipeline parallel: a meta-built decoder of any family split into stages by FQN, each stage parallelized like a whole model,
-and a torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is the model)."""
+"""Pipeline parallel: a meta-built decoder of any family split into stages by FQN, each stage parallelized like a
+whole model, and a torch.distributed.pipelining schedule that runs this rank's stages (torchtitan's pipeline_llm is
+the model)."""
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
