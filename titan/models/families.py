@@ -14,7 +14,11 @@ FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3, Q
 
 def family_of(args: DecoderArgs) -> ModelFamily:
     """The family whose args `args` are."""
-    return next(family for family in FAMILIES.values() if type(args) is family.args_type)
+    for family in FAMILIES.values():
+        if type(args) is family.args_type:
+            return family
+    raise ValueError(f"{type(args).__name__} are no registered family's args: register the family's spec in "
+                     f"titan/models/families.py (docs/models.md).")
 
 
 def linear_fqns(family: str, flavor: str) -> list[str]:
