@@ -58,6 +58,7 @@ class ModelFamily:
     """A token id of the flavors' placeholder vocabulary that ends documents, where the tokenizer file is absent (a
     dry run on another machine: only fake token ids carry it)."""
     parallel_plan: ParallelPlan
+    """How the parallel stages split its modules (titan/models/common/parallel_plan.py)."""
     hf_mapping: Callable[[Any], HFMapping]
     """The transformers class that holds a model of these args."""
 
