@@ -89,12 +89,12 @@ def straight_runs(request: pytest.FixtureRequest,
 
     def launch_straight_runs(names: list[str], nprocs: int) -> None:
         launch = tmp_path_factory.mktemp(f"straight-{nprocs}-processes")
-        cases = {}
+        runs = {}
         for name in names:
             _, model, layout = STRAIGHT_RUNS[name]
             folders[name] = launch / name
-            cases[name] = ["--training.steps", str(STEPS), *CHECKPOINT, *model, *layout]
-        launch_in_folders(launch, nprocs, {name: (folders[name], flags) for name, flags in cases.items()})
+            runs[name] = (folders[name], ["--training.steps", str(STEPS), *CHECKPOINT, *model, *layout])
+        launch_in_folders(launch, nprocs, runs)
 
     return straight
 

@@ -54,8 +54,8 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, experts: str, param_dt
     memory with the rest of the model's shards, so that every gradient, and its norm, is on one device."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = list(block_experts(model, experts).values())
-    for experts in units:
-        fully_shard(experts, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload))
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload))
     logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers"
                 + (", in host memory" if cpu_offload else ""))
 
