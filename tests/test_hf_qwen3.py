@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -31,6 +30,7 @@ from titan.models.families import FAMILIES
 from titan.models.qwen3 import Qwen3Args, Transformer, build_qwen3_args, init_weights
 from titan.parallel.dims import destroy_distributed
 
+from harness.hf_models import read_safetensors, transformers_model
 from harness.torchrun import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,19 +76,6 @@ def build(args: Qwen3Args, seed: int) -> Transformer:
 
 def sample_tokens(seq: int = 48) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
-
-
-def transformers_model(folder: Path) -> torch.nn.Module:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
 
 
 def as_imported(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
@@ -256,7 +243,9 @@ def check_sharded_on_rank(rank: int, folder: str) -> None:
     mesh = init_device_mesh("cpu", (2,))
     args, root = BALANCED_MOE, Path(folder)
     full = read_hf_weights(root / "single", args)
-    sharded = {fqn: distribute_tensor(torch.full_like(tensor, float("nan")), mesh, shard_placements(fqn, tensor))
+    # NaN wherever the folder has the rows; the routing bias, which it lacks, keeps what the model holds (init's 0).
+    sharded = {fqn: distribute_tensor(tensor.clone() if fqn.endswith("expert_bias") else
+                                      torch.full_like(tensor, float("nan")), mesh, shard_placements(fqn, tensor))
                for fqn, tensor in full.items()}
     load_hf(root / "single", sharded, args)
     for fqn, tensor in sharded.items():

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from titan.config.errors import ConfigError
-from titan.models.common.args import DecoderArgs
+from titan.models.common.args import DecoderArgs, YarnScaling
 from titan.models.common.hf_mapping import HFMapping
 from titan.models.families import family_of
 
@@ -43,8 +43,12 @@ HF_EMBEDDING, HF_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def hf_family(args: DecoderArgs) -> HFMapping:
-    """The transformers class that holds a model of `args`, as its family maps it (titan/models/<family>/hf.py)."""
-    return family_of(args).hf_mapping(args)
+    """The transformers class that holds a model of `args`, as its family maps it (titan/models/<family>/hf.py). A
+    flavor that none holds is a ConfigError saying why."""
+    try:
+        return family_of(args).hf_mapping(args)
+    except ValueError as error:
+        raise ConfigError(f"{error} (--model.flavor)") from None
 
 
 def expert_key(fqn: str, expert: int) -> str:
@@ -60,13 +64,16 @@ def titan_fqn(key: str) -> str:
 def hf_names(args: DecoderArgs) -> dict[str, str]:
     """Key -> HF name of every HF tensor, in Titan's state-dict order. A key is a Titan FQN, or `fqn[e]` for expert
     e's matrix of a stacked expert tensor. A tied output has no key (HF stores only the embedding), nor does
-    MoE's routing bias (expert_bias: auxiliary-loss-free balancing, which transformers doesn't have)."""
+    MoE's routing bias where the class has none (Qwen3-MoE's: auxiliary-loss-free balancing is Titan's), nor what
+    the family's mapping does not export (DeepSeek-V3's multi-token prediction modules)."""
     family = hf_family(args)
-    num_experts = args.moe.num_experts if family.expert_names else 0
     names = {"tok_embeddings.weight": HF_EMBEDDING}
     for layer_id in range(args.n_layers):
         titan_layer, hf_layer = f"layers.{layer_id}", f"model.layers.{layer_id}"
-        names.update({f"{titan_layer}.{titan}": f"{hf_layer}.{hf}" for titan, hf in family.layer_names.items()})
+        dense = layer_id < family.num_dense_layers(args)
+        layer_names = family.dense_layer_names if dense else family.layer_names
+        num_experts = args.moe.num_experts if family.expert_names and not dense else 0
+        names.update({f"{titan_layer}.{titan}": f"{hf_layer}.{hf}" for titan, hf in layer_names.items()})
         names.update({expert_key(f"{titan_layer}.{titan}", expert): f"{hf_layer}.{hf.format(expert=expert)}"
                       for titan, hf in family.expert_names.items() for expert in range(num_experts)})
     names["norm.weight"] = "model.norm.weight"
@@ -176,13 +183,29 @@ def row_blocks(key: str, first_row: int, num_rows: int, args: DecoderArgs) -> li
 
 
 def hf_rope_scaling(args: DecoderArgs) -> dict[str, float | int | str] | None:
-    """The rope_scaling entry of config.json: HF's "llama3" rope type, or None for plain RoPE (always, for Qwen3)."""
-    if args.rope_scaling is None:
-        return None
+    """The rope_scaling entry of config.json: HF's "llama3" or "yarn" rope type, or None for plain RoPE (always, for
+    Qwen3)."""
     scaling = args.rope_scaling
+    if scaling is None:
+        return None
+    if isinstance(scaling, YarnScaling):
+        return {"rope_type": "yarn", "factor": scaling.factor,
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+                "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow, "mscale": scaling.mscale,
+                "mscale_all_dim": scaling.mscale_all_dim}
     return {"rope_type": "llama3", "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_position_embeddings}
+
+
+def same_rope_scaling(found: dict | None, expected: dict | None) -> bool:
+    """Whether a config.json's scaling is `expected`: the published configs name the type "type" (DeepSeek-V3's),
+    and transformers 5.x adds defaults of its own (yarn's truncate), which fix nothing Titan sets differently."""
+    if found is None or expected is None:
+        return found is expected
+    kind = found.get("rope_type", found.get("type"))
+    return kind == expected["rope_type"] and all(found.get(key) == value for key, value in expected.items()
+                                                 if key != "rope_type")
 
 
 def hf_architecture(args: DecoderArgs) -> dict:
@@ -262,7 +285,7 @@ def check_hf_config(config: dict, args: DecoderArgs, path: Path) -> None:
     theta, scaling = read_rope(config)
     if theta is not None and theta != args.rope_theta:
         problems.append(f"{path} has rope_theta {theta!r}, but the Titan model args give {args.rope_theta!r}.")
-    if scaling != hf_rope_scaling(args):
+    if not same_rope_scaling(scaling, hf_rope_scaling(args)):
         problems.append(f"{path} has RoPE scaling {scaling!r}, but the Titan model args give "
                         f"{hf_rope_scaling(args)!r}.")
     if problems:

@@ -21,6 +21,7 @@ import shutil
 from collections import Counter
 from collections.abc import Collection
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -68,13 +69,13 @@ from titan.checkpoint.hf import (
     hf_vocab_rows,
     row_blocks,
     titan_fqn,
-    titan_shapes,
 )
 from titan.config.errors import ConfigError
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
 from titan.models.common.args import DecoderArgs
+from titan.models.families import family_of
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARDED_FOLDER = "sharded"
@@ -191,7 +192,7 @@ def inspect_folder(folder: Path, args: DecoderArgs) -> dict[str, str]:
     """Check a Hugging Face folder against `args` without reading tensor data, and return the HF tensor that fills
     each key (hf_names' keys, plus the output of a tied model). One ConfigError names every problem and its file."""
     config = read_config(folder, args)
-    tensors = read_headers(weight_files(folder))
+    tensors = skip_extra_layers(read_headers(weight_files(folder)), args, folder)
     names = hf_names(args)
     # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
     # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
@@ -211,6 +212,29 @@ def inspect_folder(folder: Path, args: DecoderArgs) -> dict[str, str]:
         raise ConfigError(f"Hugging Face folder {folder} has weights that are not floating point: "
                           f"{'; '.join(wrong_dtypes[:8])}. {COPY_AGAIN}")
     return names
+
+
+T = TypeVar("T")
+
+
+def skip_extra_layers(tensors: dict[str, T], args: DecoderArgs, folder: Path) -> dict[str, T]:
+    """`tensors` (HF name -> anything) without those of layers numbered n_layers and up, where the family's mapping
+    says what they hold and that its transformers class skips them (DeepSeek-V3's MTP layer); logs what it skipped."""
+    extra = hf_family(args).extra_layers
+    if extra is None:
+        return tensors
+    skipped = {name for name in tensors if layer_number(name) is not None and layer_number(name) >= args.n_layers}
+    if skipped:
+        layers = sorted({layer_number(name) for name in skipped})
+        logger.info(f"{folder} has {len(skipped)} tensors in layers {layers} past the model's {args.n_layers}: "
+                    f"{extra}. Titan skips them.")
+    return {name: value for name, value in tensors.items() if name not in skipped}
+
+
+def layer_number(name: str) -> int | None:
+    """N of an HF name model.layers.N...., else None."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() else None
 
 
 # ---- loading ----
@@ -270,23 +294,33 @@ class BlockReader(HuggingFaceStorageReader):
 
 def load_hf(folder: Path, state_dict: dict[str, Tensor], args: DecoderArgs) -> None:
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
-    Face folder. Every rank calls this; each reads only its own rows."""
+    Face folder. Every rank calls this; each reads only its own rows. Entries without an HF tensor (a routing bias
+    the class lacks, multi-token prediction modules) keep what they hold: the caller's initialised values."""
     sources = inspect_folder(folder, args)
     loaded = {titan_fqn(key) for key in sources}
+    kept = sorted(fqn for fqn in state_dict if fqn not in loaded and fqn not in VOCAB_FQNS)
+    if kept:
+        logger.info(f"{len(kept)} tensors have no Hugging Face counterpart and keep their initial values: "
+                    f"{kept[:4]}{' ...' if len(kept) > 4 else ''}")
     with torch.no_grad():
         dcp.load(state_dict, storage_reader=BlockReader(str(folder)),
                  planner=HFLoadPlanner(state_dict, sources, args), no_dist=not dist.is_initialized())
         for fqn, tensor in state_dict.items():
-            local, offsets = local_chunk(tensor)
             if fqn in VOCAB_FQNS:
+                local, offsets = local_chunk(tensor)
                 local[max(0, args.vocab_size - offsets[0]):].zero_()  # padding rows: no HF row, never trained
-            elif fqn not in loaded:
-                local.zero_()  # MoE's routing bias (expert_bias): no HF counterpart; zero is no bias, as at init
 
 
 def read_hf_weights(folder: Path, args: DecoderArgs) -> dict[str, Tensor]:
-    """The whole model as a float32 Titan state dict on this process, from a Hugging Face folder (the scripts)."""
-    state_dict = {fqn: torch.empty(shape) for fqn, shape in titan_shapes(args).items()}
+    """The whole model as a float32 Titan state dict on this process, from a Hugging Face folder (the scripts); what
+    the folder lacks (load_hf) as the family's init (seed 0) fills it."""
+    family = family_of(args)
+    with torch.device("meta"):
+        model = family.model(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    family.init_weights(model, "cpu")
+    state_dict = model.state_dict()
     load_hf(folder, state_dict, args)
     return state_dict
 
@@ -379,8 +413,13 @@ def save_hf(state_dict: dict[str, Tensor], folder: Path, args: DecoderArgs, dtyp
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face folder of the args'
     family: safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this.
-    A tied output and MoE's routing bias are left out (hf_names)."""
+    A tied output, a routing bias the class lacks, and what the family's mapping does not export are left out
+    (hf_names); the last is logged."""
     rank = dist.get_rank() if dist.is_initialized() else 0
+    for prefix, why in hf_family(args).not_exported.items():
+        left_out = [fqn for fqn in state_dict if fqn.startswith(prefix)]
+        if left_out:
+            logger.info(f"The Hugging Face export leaves out the {len(left_out)} tensors under {prefix}*: {why}.")
     indices = file_indices(args, dtype, max_shard_bytes)
     sharded = folder / SHARDED_FOLDER
     with torch.no_grad():

@@ -199,6 +199,10 @@ class Training:
     optimizer step every step. Applies FSDP over a one-rank mesh where the data-parallel degree is 1 (one GPU
     training a model that does not fit it otherwise). The weights are initialised from a full copy of the model on
     the GPU, which must fit there once (titan/parallel/init.py)."""
+    mtp_loss_weight: NonNegativeFloat = 0.3
+    """Weight of the multi-token prediction loss (the MTP modules' mean cross entropy over their depths) in the
+    gradient, for flavors with MTP modules (deepseek_v3 debugmodel_mtp, 671B_mtp): DeepSeek-V3 trained with 0.3, then
+    0.1 for its last 4.8T tokens. It is logged on its own as mtp_loss; the reported loss stays the next-token loss."""
     loss_chunk_size: NonNegativeInt = 1024
     """Tokens per chunk of the output layer and cross entropy: logits, their fp32 log-softmax and gradients exist
     for one chunk at a time, never for the whole micro-batch (the same loss; the output layer's forward runs once

@@ -565,6 +565,26 @@ def check_tied_embeddings(cfg: JobConfig, world_size: int) -> str | None:
             f"--parallelism.pipeline_parallel_degree 1 (FSDP and TP keep the tie), or an untied flavor (8B and up).")
 
 
+def check_multi_token_prediction(cfg: JobConfig, world_size: int) -> list[str]:
+    """Multi-token prediction reads the tokens up to mtp_depth places ahead of each position, and runs the embedding
+    and the output layer again after the last block."""
+    args, par = flavor_args(cfg), cfg.parallelism
+    if args is None or args.mtp_depth == 0:
+        return []
+    problems = []
+    if par.pipeline_parallel_degree > 1:
+        problems.append(f"--model.flavor {cfg.model.flavor} has multi-token prediction modules, which run the "
+                        f"embedding and the output layer after the last block: --parallelism.pipeline_parallel_degree "
+                        f"{par.pipeline_parallel_degree} puts those on different stages. Use 1, or a flavor without "
+                        f"MTP (debugmodel, 671B).")
+    if par.context_parallel_degree > 1:
+        problems.append(f"--model.flavor {cfg.model.flavor} has multi-token prediction modules, which read the "
+                        f"tokens ahead of each position: --parallelism.context_parallel_degree "
+                        f"{par.context_parallel_degree} puts them on other ranks. Use 1, or a flavor without MTP "
+                        f"(debugmodel, 671B).")
+    return problems
+
+
 def check_async_tp(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     par = cfg.parallelism
     if not par.enable_async_tensor_parallel:
@@ -729,9 +749,9 @@ def largest_divisor_at_most(limit: int, *sizes: int) -> int:
 
 
 RULES: tuple[Rule, ...] = (
-    check_flavor, check_mixture_of_experts, check_tied_embeddings, check_seq_len, check_global_batch, check_converters,
-    check_converter_filters, check_tokenizer_path, check_dataset_path, check_dump_folder, check_lr_multipliers,
-    check_wandb_installed, check_degree_product, check_pipeline_split_points,
+    check_flavor, check_mixture_of_experts, check_tied_embeddings, check_multi_token_prediction, check_seq_len,
+    check_global_batch, check_converters, check_converter_filters, check_tokenizer_path, check_dataset_path,
+    check_dump_folder, check_lr_multipliers, check_wandb_installed, check_degree_product, check_pipeline_split_points,
     check_pipeline_stages, check_pipeline_microbatches, check_context_parallel, check_tensor_parallel_shapes,
     check_selective_ac_option, check_float8_all_gather, check_checkpoint, check_spike_rollback, check_time_limit,
     check_mixture, check_mixture_paths, check_validation_dataset_path, check_validation_pipeline,

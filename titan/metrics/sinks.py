@@ -20,9 +20,11 @@ Record = dict[str, float | int | dict[str, int] | dict[str, list[int]] | None]
 # --training.mixture since the run began (None for a single source). A mixture of experts adds its load over the
 # logged step (titan/train/expert_balance.py; None for dense models): moe_imbalance, the most loaded expert's tokens
 # over the mean in the worst MoE layer (1.0: even), and tokens_per_expert, each layer's routed tokens per expert.
+# Multi-token prediction adds mtp_loss, its modules' cross entropy (the mean over depths) per valid target (None
+# without MTP modules).
 RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "mem_gib", "mem_reserved_gib",
                "data_wait_pct", "eta_s", "step_time_min_s", "step_time_max_s", "gc_pause_s", "tokens_by_source",
-               "moe_imbalance", "tokens_per_expert")
+               "moe_imbalance", "tokens_per_expert", "mtp_loss")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
 # A skipped, rolled-back, stopping or logged-spike step's record is its line of anomalies.jsonl
@@ -103,6 +105,8 @@ class ConsoleSink:
             parts.append(("tokens_by_source", f"mixture {shares}"))
         if record["moe_imbalance"] is not None:
             parts.append(("moe_imbalance", f"experts max/mean {record['moe_imbalance']:.2f}"))
+        if record["mtp_loss"] is not None:
+            parts.append(("loss", f"mtp_loss {record['mtp_loss']:.4f}"))
         logger.info("  ".join(self.paint(key, text) for key, text in parts))
 
     def write_validation(self, record: Record) -> None:

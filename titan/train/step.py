@@ -95,6 +95,10 @@ class TrainingStep:
     """The loss takes vocab-sharded logits (TP without --parallelism.disable_loss_parallel)."""
     balancer: ExpertBalancer | None = None
     """A mixture of experts' token counts and routing biases, read after every optimizer step."""
+    loss_scale: Tensor | None = None
+    """What the last compute_gradients multiplied each micro-batch's summed loss by."""
+    last_mtp_loss: Readback | None = None
+    """The last updated step's multi-token prediction loss on its way to the host; None without MTP modules."""
 
     @property
     def model(self) -> nn.Module:
@@ -112,6 +116,7 @@ class TrainingStep:
         ranks), counted before the first forward, so each target weighs the same wherever it is."""
         self.optimizer.zero_grad()
         scale = self.num_loss_shares / self.global_valid_targets(micro_batches)
+        self.loss_scale = scale
         loss_sum_local = torch.zeros((), device=self.device)
         for micro_batch in micro_batches:
             loss_sum_local += self.run_micro_batch(micro_batch, scale, backward=True)
@@ -211,6 +216,15 @@ class TrainingStep:
         self.model_parts.conversion.after_optimizer_step(self.model)
         if self.balancer is not None:
             self.balancer.after_optimizer_step(skip)
+        if self.model.mtp is not None:
+            self.queue_mtp_loss()
+
+    def queue_mtp_loss(self) -> None:
+        """Queue the copy of the step's multi-token prediction loss to the host, the mean per valid target over the
+        global batch as the step's loss is, and restart the modules' sum for the next step."""
+        mtp = self.model.mtp
+        self.last_mtp_loss = Readback(self.global_mean(mtp.loss_sum * self.loss_scale).reshape(1))
+        mtp.loss_sum.zero_()
 
     def update_and_read_back(self, loss: Tensor, grad_norm: Tensor, skip: Tensor) -> Readback:
         """Queue the update (skipped on the device where `skip` is set) and the copy of the step's loss, gradient
@@ -219,9 +233,11 @@ class TrainingStep:
         return Readback(torch.stack([loss, grad_norm.float(), skip.float()]))
 
     def model_metrics(self) -> dict[str, object]:
-        """What the model reports about the last step beyond the loss (a mixture of experts' load), for the
-        metrics record; None values for a dense model. Reads the device."""
-        return self.balancer.load_metrics() if self.balancer is not None else dict(NO_EXPERT_METRICS)
+        """What the model reports about the last step beyond the loss (a mixture of experts' load, the multi-token
+        prediction loss), for the metrics record; None values where the model has neither. Reads the device."""
+        metrics = self.balancer.load_metrics() if self.balancer is not None else dict(NO_EXPERT_METRICS)
+        metrics["mtp_loss"] = self.last_mtp_loss.values()[0] if self.last_mtp_loss is not None else None
+        return metrics
 
     def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks
@@ -276,7 +292,8 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         vocab_size=vocab_size, vocab_size_multiple_of=cfg.model.vocab_size_multiple_of,
         max_seq_len=cfg.training.seq_len, attn_backend=attn_backend, loss_chunk_size=cfg.training.loss_chunk_size,
         moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
-        moe_load_balance_coeff=cfg.moe.load_balance_coeff, valueless=mode.valueless))
+        moe_load_balance_coeff=cfg.moe.load_balance_coeff, mtp_loss_weight=cfg.training.mtp_loss_weight,
+        valueless=mode.valueless))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.compile.enable,
                                      on_gpu=device.type == "cuda")

@@ -1,6 +1,7 @@
 """The shape fields every decoder family shares, and the size rules that config validation needs without building a
 model. A family's args extend DecoderArgs with its own fields and defaults."""
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +23,28 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE frequency scaling (arXiv:2309.00071; HF rope_type "yarn", as DeepSeek-V2 and V3 publish it).
+
+    Channel pairs that turn more than beta_fast times over original_max_position_embeddings keep their frequency,
+    those that turn fewer than beta_slow times are slowed down by `factor`, with a linear ramp between. The cosines
+    and sines are multiplied by mscale(factor, mscale) / mscale(factor, mscale_all_dim) (1 when both are equal), and
+    attention's softmax scale by mscale(factor, mscale_all_dim) ** 2, where mscale(s, m) = 0.1 m ln(s) + 1."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature term 0.1 mscale ln(factor) + 1 (1 without scaling)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderArgs:
     """Shape of a decoder-only transformer, the fields every family has. Frozen, so a shared flavor table can't be
@@ -39,8 +62,8 @@ class DecoderArgs:
     """Pad the embedding and output rows up to a multiple of this, so later stages can split them evenly."""
     norm_eps: float
     rope_theta: float
-    rope_scaling: RopeScaling | None = None
-    """Llama 3.1-style long-context frequency scaling. None: plain RoPE."""
+    rope_scaling: RopeScaling | YarnScaling | None = None
+    """Long-context frequency scaling, Llama 3.1's or YaRN. None: plain RoPE."""
     max_seq_len: int
     """Longest sequence the rotary table covers."""
     depth_init: bool = True
@@ -51,6 +74,12 @@ class DecoderArgs:
     """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
     tie_embeddings: bool = False
     """The output layer reuses the token embedding's matrix (Qwen3 0.6B, 1.7B and 4B)."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules (DeepSeek-V3 section 2.2, titan/models/common/mtp.py): module k predicts the
+    token k + 1 places after the next one. 0: none."""
+    mtp_loss_weight: float = 0.0
+    """lambda: the modules' mean loss over the depths enters the gradient times this (the reported loss stays the
+    next-token loss)."""
 
 
 def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:

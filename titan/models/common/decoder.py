@@ -5,36 +5,44 @@ init."""
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from titan.models.common.args import DecoderArgs, padded_vocab_size
 from titan.models.common.attention import AttentionMask, sequence_positions
 from titan.models.common.loss import OutputLoss
+from titan.models.common.mtp import MultiTokenPrediction
 from titan.models.common.norms import RMSNorm
 from titan.models.common.rotary import RotaryEmbedding
 
 
 class Decoder(nn.Module):
-    """A decoder of `block`s, each built from args by the family (Llama's, Qwen3's), with an output layer of its own
-    or, with args.tie_embeddings, the embedding's matrix.
+    """A decoder of `block`s, each built from args and its layer id by the family (Llama's, Qwen3's, DeepSeek-V3's),
+    with an output layer of its own or, with args.tie_embeddings, the embedding's matrix, and with args.mtp_depth
+    multi-token prediction modules (titan/models/common/mtp.py) of blocks built by `mtp_block`.
 
     The embedding and output have padded_vocab_size(vocab_size, vocab_size_multiple_of) rows so their
     shapes split evenly. forward() returns logits over that padded vocab; the padded columns are
     meaningless, so the losses and user_logits drop them.
     """
 
-    def __init__(self, args: DecoderArgs, block: Callable[[Any], nn.Module]) -> None:
+    def __init__(self, args: DecoderArgs, block: Callable[[Any, int], nn.Module],
+                 mtp_block: Callable[[Any], nn.Module] | None = None) -> None:
         super().__init__()
         padded_vocab = padded_vocab_size(args.vocab_size, args.vocab_size_multiple_of)
+        mtp = MultiTokenPrediction(args, mtp_block) if args.mtp_depth > 0 else None
         self.assemble(args, tok_embeddings=nn.Embedding(padded_vocab, args.dim),
-                      layers={str(layer_id): block(args) for layer_id in range(args.n_layers)},
-                      norm=RMSNorm(args.dim, eps=args.norm_eps), output=nn.Linear(args.dim, padded_vocab, bias=False))
+                      layers={str(layer_id): block(args, layer_id) for layer_id in range(args.n_layers)},
+                      norm=RMSNorm(args.dim, eps=args.norm_eps), output=nn.Linear(args.dim, padded_vocab, bias=False),
+                      mtp=mtp)
         tie_output(self)
 
     def assemble(self, args: DecoderArgs, tok_embeddings: nn.Module | None, layers: dict[str, nn.Module],
-                 norm: nn.Module | None, output: nn.Module | None, rope: RotaryEmbedding | None = None) -> None:
+                 norm: nn.Module | None, output: nn.Module | None, rope: RotaryEmbedding | None = None,
+                 mtp: MultiTokenPrediction | None = None) -> None:
         """Hold these parts (absent ones None), with a rotary table (a new one unless given), attention mask and
-        output loss of its own, in the order that names the state dict's entries."""
+        output loss of its own, in the order that names the state dict's entries. A pipeline stage holds no
+        multi-token prediction (config validation rejects the two together)."""
         self.args = args
         self.vocab_size = args.vocab_size
         self.tok_embeddings = tok_embeddings
@@ -42,6 +50,7 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleDict(layers)
         self.norm = norm
         self.output = output
+        self.mtp = mtp
         self.attention_mask = AttentionMask(args.attn_backend)
         self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
 
@@ -72,8 +81,13 @@ class Decoder(nn.Module):
             h = layer(h, rope, mask)
         if self.output is None:
             return h
-        h = self.norm(h)
-        return self.output(h) if labels is None else self.output_loss(h, labels, self.output)
+        if labels is None:
+            return self.output(self.norm(h))
+        loss = self.output_loss(self.norm(h), labels, self.output)
+        if self.mtp is not None and torch.is_grad_enabled():  # the modules train the trunk; evaluation skips them
+            loss = loss + self.mtp(h, tokens, labels, document_ids, rope, mask, self.tok_embeddings, self.output,
+                                   self.output_loss)
+        return loss
 
     def user_logits(self, tokens: Tensor) -> Tensor:
         """tokens (bs, seq) -> logits (bs, seq, vocab_size) over real token ids, for generation and export."""

@@ -18,7 +18,8 @@ from titan.models.common.parallel_plan import ParallelPlan
 @dataclass(frozen=True)
 class BuildOptions:
     """What a job sets on top of a flavor's shape: the tokenizer's vocabulary, the rotary table's length, the
-    attention kernel, the loss's chunking, and for mixtures of experts how they are kept balanced."""
+    attention kernel, the loss's chunking, for mixtures of experts how they are kept balanced, and for multi-token
+    prediction its loss's weight."""
 
     vocab_size: int
     vocab_size_multiple_of: int
@@ -28,6 +29,8 @@ class BuildOptions:
     moe_aux_loss_weight: float = 0.0
     """Load-balancing loss weight per forward pass (the job's weight over the forward passes of a step)."""
     moe_load_balance_coeff: float = 0.0
+    mtp_loss_weight: float = 0.0
+    """Weight of the multi-token prediction loss, for flavors with MTP modules (DecoderArgs.mtp_loss_weight)."""
     valueless: bool = False
     """The tensors will carry no values (the dry run's fake tensors): mixtures of experts route as MoEArgs.valueless
     says."""

@@ -55,6 +55,10 @@ def no_fields(args: DecoderArgs) -> dict:
     return {}
 
 
+def no_layers(args: DecoderArgs) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class HFMapping:
     """One transformers class of a family (a family may have several: Qwen3 dense and Qwen3-MoE)."""
@@ -77,3 +81,12 @@ class HFMapping:
     """Its hub checkpoints may hold more vocab rows than the tokenizer has tokens."""
     unchecked_config_fields: Callable[[Any], dict] = no_fields
     """Fields that exports write, as the published configs have them, but that fix nothing, so imports don't check."""
+    dense_layer_names: Mapping[str, str] = field(default_factory=dict)
+    """The names of the first num_dense_layers(args) layers instead of layer_names, where a family puts dense blocks
+    before its mixtures of experts (DeepSeek-V3); they have no experts."""
+    num_dense_layers: Callable[[Any], int] = no_layers
+    extra_layers: str | None = None
+    """What the layers numbered n_layers and up of a hub checkpoint hold, which the transformers class skips (an
+    import skips them too, and logs this); None: such tensors are an error, as any tensor the model lacks."""
+    not_exported: Mapping[str, str] = field(default_factory=dict)
+    """Titan FQN prefix -> why the transformers class has no such tensors: an export leaves them out, and logs it."""

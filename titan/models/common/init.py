@@ -34,3 +34,24 @@ def init_output(weight: Tensor, dim: int) -> None:
     final_std = dim**-0.5
     cutoff = OUTPUT_CUTOFF_STDS * final_std
     nn.init.trunc_normal_(weight, mean=0.0, std=final_std, a=-cutoff, b=cutoff)
+
+
+def init_moe(moe: nn.Module, output_std: float) -> None:
+    """A mixture of experts (titan/models/common/moe.py MoE): the router and each expert's w1 at std 0.02, w2 and w3
+    at output_std (as a dense feed-forward's), shared experts likewise, the routing bias and token counts to 0."""
+    nn.init.trunc_normal_(moe.router.gate.weight, mean=0.0, std=INPUT_PROJECTION_STD)
+    nn.init.trunc_normal_(moe.experts.w1, mean=0.0, std=INPUT_PROJECTION_STD)
+    for weight in (moe.experts.w2, moe.experts.w3):
+        nn.init.trunc_normal_(weight, mean=0.0, std=output_std)
+    if moe.shared_experts is not None:
+        init_feed_forward(moe.shared_experts, output_std)
+    moe.tokens_per_expert.zero_()
+    if moe.router.expert_bias is not None:
+        moe.router.expert_bias.zero_()
+
+
+def init_feed_forward(feed_forward: nn.Module, output_std: float) -> None:
+    """A SwiGLU feed-forward: w1 at std 0.02, w2 and w3 at output_std, as torchtitan's Llama."""
+    nn.init.trunc_normal_(feed_forward.w1.weight, mean=0.0, std=INPUT_PROJECTION_STD)
+    for linear in (feed_forward.w2, feed_forward.w3):
+        nn.init.trunc_normal_(linear.weight, mean=0.0, std=output_std)

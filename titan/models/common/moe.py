@@ -1,6 +1,7 @@
-"""The mixture-of-experts feed-forward (Qwen3-MoE's): a token-choice top-k router over SwiGLU experts, the experts'
-grouped matmuls, and the two ways of keeping experts evenly loaded (a load-balancing loss, and DeepSeek-V3's
-auxiliary-loss-free bias).
+"""The mixture-of-experts feed-forward (Qwen3-MoE's and DeepSeek-V3's): a token-choice top-k router over SwiGLU
+experts (softmax scores, or DeepSeek-V3's sigmoid scores with group-limited choice and scaled weights), shared experts
+that every token passes through, the experts' grouped matmuls, and the two ways of keeping experts evenly loaded (a
+load-balancing loss, and DeepSeek-V3's auxiliary-loss-free bias).
 
 Tokens are sorted by expert before the experts run, so each expert's tokens are one contiguous block of rows and
 the experts' matmuls are one grouped matmul (`torch._grouped_mm`) where the device has it. A later stage may
@@ -8,10 +9,13 @@ exchange those blocks between ranks (expert parallel replaces `moe.experts`); th
 """
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from titan.models.common.feed_forward import FeedForward
 
 
 @dataclass(frozen=True)
@@ -24,7 +28,22 @@ class MoEArgs:
     hidden_dim: int
     """Hidden units of one expert (HF's moe_intermediate_size)."""
     norm_topk_prob: bool = True
-    """Rescale a token's top_k routing weights to sum to 1 (Qwen3-MoE does)."""
+    """Rescale a token's top_k routing weights to sum to 1 (Qwen3-MoE and DeepSeek-V3 do)."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Routing scores: a softmax over the experts' logits (Qwen3-MoE, DeepSeek-V2), or each logit's sigmoid
+    (DeepSeek-V3)."""
+    n_group: int = 1
+    """Experts form this many groups of consecutive ids; a token picks its experts from its topk_group best groups,
+    each group scored by the sum of its two best scores (DeepSeek-V3's node-limited routing). 1: no groups."""
+    topk_group: int = 1
+    """Groups a token may pick experts from (n_group > 1)."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)."""
+    num_shared_experts: int = 0
+    """Experts every token passes through, unweighted, as one SwiGLU of num_shared_experts x hidden_dim units."""
+    expert_bias: bool = False
+    """Keep a routing bias even without balancing: DeepSeek-V3's checkpoints carry one (e_score_correction_bias).
+    load_balance_coeff > 0 keeps one too."""
     aux_loss_weight: float = 0.0
     """Weight of each MoE layer's load-balancing loss in the gradient, per forward pass of the step (so the
     weights of a step's micro-batches add up to the configured weight); 0: no such loss."""
@@ -103,28 +122,52 @@ class GroupedExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Token-choice top-k routing: a softmax over the experts' logits; each token goes to its top_k experts,
-    weighted by their probabilities (renormalised over the k when norm_topk_prob). With load_balance_coeff the
-    choice, not the weights, reads probabilities plus a per-expert bias (DeepSeek-V3, arXiv:2408.15664)."""
+    """Token-choice top-k routing over the experts' scores, a softmax over their logits or each one's sigmoid; each
+    token goes to its top_k experts, weighted by their scores (renormalised over the k when norm_topk_prob) times
+    routed_scaling_factor. The choice, not the weights, reads the scores plus a per-expert bias where there is one
+    (DeepSeek-V3, arXiv:2408.15664), and with n_group > 1 only the experts of the token's topk_group best groups."""
 
     def __init__(self, dim: int, moe: MoEArgs) -> None:
         super().__init__()
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
+        self.score_func = moe.score_func
+        self.n_group = moe.n_group
+        self.topk_group = moe.topk_group
+        self.routed_scaling_factor = moe.routed_scaling_factor
         self.gate = nn.Linear(dim, moe.num_experts, bias=False)
         # A checkpointed state, but no parameter: the balancer, not the optimizer, moves it.
-        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if moe.load_balance_coeff > 0 else None)
+        has_bias = moe.expert_bias or moe.load_balance_coeff > 0
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if has_bias else None)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """x (tokens, dim) -> (weights (tokens, top_k) fp32, experts (tokens, top_k) int64, probs (tokens,
-        num_experts) fp32)."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        choice = probs if self.expert_bias is None else probs + self.expert_bias
+        num_experts) fp32: the scores as a distribution over the experts, for the load-balancing loss)."""
+        logits = self.gate(x).float()
+        scores = F.softmax(logits, dim=-1) if self.score_func == "softmax" else logits.sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            choice = limit_to_groups(choice, self.n_group, self.topk_group)
         experts = choice.topk(self.top_k, dim=-1).indices
-        weights = probs.gather(-1, experts)
+        weights = scores.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
         return weights, experts, probs
+
+
+def limit_to_groups(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
+    """`choice` (tokens, num_experts) with every expert outside the token's topk_group best groups set to -inf. The
+    experts form n_group groups of consecutive ids, each scored by the sum of its two best choice values; ties go to
+    the lower group, as torch.topk orders them."""
+    tokens, num_experts = choice.shape
+    grouped = choice.view(tokens, n_group, num_experts // n_group)  # (tokens, n_group, experts per group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # (tokens, n_group)
+    best_groups = group_scores.topk(topk_group, dim=-1).indices  # (tokens, topk_group)
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)  # (tokens, n_group)
+    return grouped.masked_fill(~allowed[:, :, None], float("-inf")).view(tokens, num_experts)
 
 
 def load_balancing_loss(probs: Tensor, counts: Tensor) -> Tensor:
@@ -151,9 +194,10 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Qwen3-MoE's sparse feed-forward: route, sort the tokens by expert, run the experts, and add each token's
-    expert outputs back weighted by the router. Keeps `tokens_per_expert`, the routed tokens each expert got since
-    the balancer last read it, for the metrics and the bias."""
+    """The sparse feed-forward: route, sort the tokens by expert, run the experts, and add each token's expert
+    outputs back weighted by the router, and the shared experts' output where there are some. Keeps
+    `tokens_per_expert`, the routed tokens each expert got since the balancer last read it, for the metrics and the
+    bias."""
 
     def __init__(self, dim: int, moe: MoEArgs) -> None:
         super().__init__()
@@ -161,6 +205,8 @@ class MoE(nn.Module):
         self.aux_loss_weight = moe.aux_loss_weight
         self.router = Router(dim, moe)
         self.experts = GroupedExperts(moe.num_experts, dim, moe.hidden_dim, moe.valueless)
+        self.shared_experts = (FeedForward(dim, moe.hidden_dim * moe.num_shared_experts)
+                               if moe.num_shared_experts > 0 else None)
         self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -180,6 +226,8 @@ class MoE(nn.Module):
         routed = self.experts(tokens[source], counts.long())  # (bs * seq * top_k, dim)
         weighted = routed * weights.flatten()[order, None].to(routed.dtype)
         out = torch.zeros_like(tokens).index_add_(0, source, weighted.to(tokens.dtype))  # (bs * seq, dim)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
         if self.training and self.aux_loss_weight > 0:
             out = AddAuxiliaryLoss.apply(out, self.aux_loss_weight * load_balancing_loss(probs, counts))
         return out.view(bs, seq, dim)

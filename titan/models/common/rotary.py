@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from titan.models.common.args import DecoderArgs, RopeScaling
+from titan.models.common.args import DecoderArgs, RopeScaling, YarnScaling, yarn_mscale
 
 
 def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
@@ -21,17 +21,39 @@ def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
     return torch.where(wavelen < context / scaling.high_freq_factor, freqs, low_scaled)
 
 
+def yarn_frequencies(freqs: Tensor, scaling: YarnScaling, rotary_dim: int, theta: float) -> Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters, truncated correction range): pairs past the
+    beta_fast boundary keep their frequency, those before beta_slow's are divided by `factor`, linearly between."""
+    def correction_dim(num_rotations: float) -> float:
+        """The channel pair whose wavelength fits num_rotations times into the original context."""
+        context = scaling.original_max_position_embeddings
+        return rotary_dim * math.log(context / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), rotary_dim - 1)
+    ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
+    keep = 1 - ramp.clamp(0, 1)  # 1: the pair keeps its frequency (extrapolates), 0: it is interpolated
+    return freqs / scaling.factor * (1 - keep) + freqs * keep
+
+
 def precompute_rope_cache(args: DecoderArgs) -> Tensor:
-    """cos and sin of position * freq for every position up to max_seq_len and every channel pair of a head:
+    """cos and sin of position * freq for every position up to max_seq_len and every rotated channel pair of a head:
     fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
-    Real tables rather than Meta's complex e^(i * position * freq): inductor generates no code for complex ops."""
+    head_dim is the rotated part of a head (all of it but in multi-head latent attention). Real tables rather than
+    Meta's complex e^(i * position * freq): inductor generates no code for complex ops. YaRN scales both by its
+    attention factor, so that the rotated channels carry it into q.k."""
     head_dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if args.rope_scaling is not None:
+    scale = 1.0
+    if isinstance(args.rope_scaling, RopeScaling):
         freqs = scale_rope_frequencies(freqs, args.rope_scaling)
+    elif isinstance(args.rope_scaling, YarnScaling):
+        yarn = args.rope_scaling
+        freqs = yarn_frequencies(freqs, yarn, head_dim, args.rope_theta)
+        scale = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
     positions = torch.arange(args.max_seq_len, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)  # (max_seq_len, head_dim // 2, 2)
+    return torch.stack([angles.cos() * scale, angles.sin() * scale], dim=-1)  # (max_seq_len, head_dim // 2, 2)
 
 
 class RotaryEmbedding(nn.Module):

@@ -29,4 +29,4 @@ class Transformer(Decoder):
     """Llama 3 decoder with an untied output layer: the shared decoder of Llama's blocks."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__(args, block=TransformerBlock)
+        super().__init__(args, block=lambda args, layer_id: TransformerBlock(args))

@@ -2,7 +2,7 @@
 the shared one (titan/models/common/moe.py)."""
 
 from titan.models.qwen3.args import QWEN3_EOS_ID, QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
-from titan.models.qwen3.flops import flops_per_token, num_active_params
+from titan.models.qwen3.flops import flops_per_token
 from titan.models.qwen3.init import init_weights
 from titan.models.qwen3.model import Transformer
 
@@ -14,5 +14,4 @@ __all__ = [
     "build_qwen3_args",
     "flops_per_token",
     "init_weights",
-    "num_active_params",
 ]

@@ -4,9 +4,10 @@
 from torch import nn
 
 from titan.models.common.family import BuildOptions, ModelFamily
+from titan.models.common.flops import num_active_params
 from titan.models.common.parallel_plan import ATTENTION_TENSOR_PARALLEL, FEED_FORWARD_TENSOR_PARALLEL, ParallelPlan
 from titan.models.qwen3.args import QWEN3_EOS_ID, QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
-from titan.models.qwen3.flops import flops_per_token, num_active_params
+from titan.models.qwen3.flops import flops_per_token
 from titan.models.qwen3.hf import hf_mapping
 from titan.models.qwen3.init import init_weights
 from titan.models.qwen3.model import Transformer
@@ -20,11 +21,12 @@ def build_args(flavor: str, options: BuildOptions) -> Qwen3Args:
 
 def training_flops(args: Qwen3Args, model: nn.Module, seq_len: int) -> int:
     """Active parameters only: an MoE token's FLOPs come from its top_k experts (the dry run and MFU agree)."""
-    return flops_per_token(args, num_active_params(model, args, exclude_embedding=True), seq_len)
+    active = num_active_params(model, args.moe, args.tie_embeddings, exclude_embedding=True)
+    return flops_per_token(args, active, seq_len)
 
 
 def active_params(args: Qwen3Args, model: nn.Module) -> int:
-    return num_active_params(model, args, exclude_embedding=False)
+    return num_active_params(model, args.moe, args.tie_embeddings, exclude_embedding=False)
 
 
 def tensor_parallel_sizes(args: Qwen3Args) -> list[tuple[str, int]]:

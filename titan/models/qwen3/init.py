@@ -5,7 +5,13 @@ import torch
 from torch import nn
 
 from titan.models.common.decoder import tie_output
-from titan.models.common.init import INPUT_PROJECTION_STD, init_output, rebuild_rotary_table, residual_output_std
+from titan.models.common.init import (
+    INPUT_PROJECTION_STD,
+    init_moe,
+    init_output,
+    rebuild_rotary_table,
+    residual_output_std,
+)
 from titan.models.qwen3.model import TransformerBlock
 
 
@@ -18,14 +24,7 @@ def init_block(block: TransformerBlock, output_std: float) -> None:
     for norm in (block.attention_norm, block.ffn_norm, attention.q_norm, attention.k_norm):
         norm.reset_parameters()
     if hasattr(block, "moe"):
-        moe = block.moe
-        nn.init.trunc_normal_(moe.router.gate.weight, mean=0.0, std=INPUT_PROJECTION_STD)
-        nn.init.trunc_normal_(moe.experts.w1, mean=0.0, std=INPUT_PROJECTION_STD)
-        for weight in (moe.experts.w2, moe.experts.w3):
-            nn.init.trunc_normal_(weight, mean=0.0, std=output_std)
-        moe.tokens_per_expert.zero_()
-        if moe.router.expert_bias is not None:
-            moe.router.expert_bias.zero_()
+        init_moe(block.moe, output_std)
     else:
         inputs.append(block.feed_forward.w1)
         outputs += [block.feed_forward.w2, block.feed_forward.w3]

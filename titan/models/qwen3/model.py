@@ -58,4 +58,4 @@ class Transformer(Decoder):
     forward) of Qwen3's blocks, and with tie_embeddings one matrix for the embedding and the output."""
 
     def __init__(self, args: Qwen3Args) -> None:
-        super().__init__(args, block=TransformerBlock)
+        super().__init__(args, block=lambda args, layer_id: TransformerBlock(args))

@@ -1,0 +1,183 @@
+"""Hugging Face interop for DeepSeek-V3 (titan/checkpoint/hf.py, hf_io.py with titan/models/deepseek_v3/hf.py):
+Titan's model against transformers' DeepseekV3ForCausalLM on the same weights, logits both ways and gradients, with
+the query's one projection and its low-rank path, YaRN with and without an attention factor, dense first layers,
+sigmoid group-limited routing with a correction bias, shared experts; multi-token prediction modules left out of an
+export and skipped in an import."""
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from titan.checkpoint.hf import hf_names
+from titan.checkpoint.hf_io import read_hf_weights, save_hf
+from titan.config.errors import ConfigError
+from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from titan.models.common.args import YarnScaling
+from titan.models.common.loss import cross_entropy_loss
+from titan.models.common.moe import MoEArgs
+from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, Transformer, init_weights
+
+from harness.hf_models import read_safetensors, transformers_model
+
+VOCAB = 2256  # the shipped tokenizer's odd size, padded to 2304
+HUB_ROWS = 2304  # a hub checkpoint's rows past the tokenizer's, as DeepSeek-V3's 129280 for 128815 tokens
+TOKENIZER = build_tokenizer(SHIPPED_TOKENIZER)
+# V2-Lite's YaRN (mscale = mscale_all_dim: no attention factor on the rotation, a softmax temperature).
+SMALL = DeepSeekV3Args(
+    dim=64, n_layers=3, n_heads=4, n_kv_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, hidden_dim=96, first_k_dense_replace=1, vocab_size=VOCAB, max_seq_len=64,
+    rope_scaling=YarnScaling(factor=40.0, mscale=0.707, mscale_all_dim=0.707),
+    moe=MoEArgs(num_experts=8, top_k=3, hidden_dim=32, score_func="sigmoid", n_group=4, topk_group=2,
+                routed_scaling_factor=2.5, num_shared_experts=1, expert_bias=True))
+# DeepSeek-V3's low-rank query, an attention factor on the rotation (mscale != mscale_all_dim), and an MTP module.
+LOW_RANK_MTP = dataclasses.replace(SMALL, q_lora_rank=24, mtp_depth=1, mtp_loss_weight=0.3,
+                                   rope_scaling=YarnScaling(factor=40.0, mscale=1.0, mscale_all_dim=0.707))
+VARIANTS = {"query_projection": SMALL, "low_rank_query_mtp": LOW_RANK_MTP}
+# fp32 on both sides; the models differ in op order (SDPA vs eager attention, grouped vs per-expert matmuls, the
+# softmax temperature on q vs on the scores).
+LOGITS_TOLERANCE = {"rtol": 0.0, "atol": 2e-5}
+
+
+def build(args: DeepSeekV3Args, seed: int) -> Transformer:
+    """Build on meta, materialise and init as the trainer does; then draw every norm around 1, the routing bias
+    nonzero, and the router wider: init's norms of exactly 1 and zero bias would hide a misplaced one, and a router
+    near 0 gives choices that a rounding difference could flip."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        init_weights(model, buffer_device="cpu")
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            elif "router" in name:
+                param.normal_(0.0, 0.5)
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def sample_tokens(seq: int = 48) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+             ) -> tuple[DeepSeekV3Args, Transformer, torch.nn.Module, Path]:
+    """(args, Titan model, the transformers model its export loads as, the folder)."""
+    args = VARIANTS[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    model = build(args, seed=1)
+    save_hf(model.state_dict(), folder, args, torch.float32, TOKENIZER)
+    return args, model, transformers_model(folder), folder
+
+
+def test_export_matches_transformers_logits(exported: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args, model, hf_model, folder = exported
+    assert type(hf_model).__name__ == "DeepseekV3ForCausalLM"
+    tokens = sample_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(tokens).logits, model.user_logits(tokens), **LOGITS_TOLERANCE)
+    hf = read_safetensors(folder)
+    assert sorted(hf) == sorted(hf_names(args).values())
+    assert not any(name.startswith("mtp") or ".layers.3." in name for name in hf)  # MTP modules are not exported
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 0 and config["rope_scaling"]["rope_type"] == "yarn"
+
+
+def test_gradients_match_transformers(exported: tuple) -> None:
+    """The next-token loss's gradient of every weight, Titan's against transformers' (whose experts are fused:
+    gate_up_proj holds w1 over w3)."""
+    args, model, hf_model, _ = exported
+    tokens = sample_tokens()
+    labels = torch.roll(tokens, -1, dims=1)
+    model.zero_grad()
+    hf_model.zero_grad()
+    cross_entropy_loss(model(tokens), labels, VOCAB).backward()
+    cross_entropy_loss(hf_model(tokens).logits, labels, VOCAB).backward()
+    hf_grads = {name: param.grad for name, param in hf_model.named_parameters()}
+    titan = dict(model.named_parameters())
+    checked = set()
+    for key, hf_name in hf_names(args).items():
+        if key in titan and hf_name in hf_grads:
+            torch.testing.assert_close(titan[key].grad[:VOCAB], hf_grads[hf_name], rtol=1e-4, atol=1e-6)
+            checked.add(hf_name)
+    for layer in range(args.first_k_dense_replace, args.n_layers):
+        experts, hf_experts = model.layers[str(layer)].moe.experts, f"model.layers.{layer}.mlp.experts"
+        w1, w3 = hf_grads[f"{hf_experts}.gate_up_proj"].chunk(2, dim=1)
+        for got, want in [(experts.w1, w1), (experts.w3, w3), (experts.w2, hf_grads[f"{hf_experts}.down_proj"])]:
+            torch.testing.assert_close(got.grad, want, rtol=1e-4, atol=1e-6)
+        checked |= {f"{hf_experts}.gate_up_proj", f"{hf_experts}.down_proj"}
+    assert checked == set(hf_grads)
+
+
+def test_transformers_folder_with_mtp_layer_imports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     titan_records: list[logging.LogRecord]) -> None:
+    """A folder written by transformers' save_pretrained, with the hub's extra vocab rows and an MTP module stored as
+    the layer past the last (as deepseek-ai/DeepSeek-V3 stores its layer 61), read into a Titan model with MTP
+    modules: the logits match, the MTP layer is skipped and Titan's MTP modules keep their init."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args, moe = LOW_RANK_MTP, LOW_RANK_MTP.moe
+    yarn = args.rope_scaling
+    config = transformers.DeepseekV3Config(
+        vocab_size=HUB_ROWS, hidden_size=args.dim, intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.n_kv_heads, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+        qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim,
+        first_k_dense_replace=args.first_k_dense_replace, moe_intermediate_size=moe.hidden_dim,
+        n_routed_experts=moe.num_experts, n_shared_experts=moe.num_shared_experts, num_experts_per_tok=moe.top_k,
+        n_group=moe.n_group, topk_group=moe.topk_group, routed_scaling_factor=moe.routed_scaling_factor,
+        norm_topk_prob=True, rms_norm_eps=args.norm_eps, max_position_embeddings=args.max_seq_len,
+        tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": args.rope_theta, "factor": yarn.factor,
+            "original_max_position_embeddings": yarn.original_max_position_embeddings, "beta_fast": yarn.beta_fast,
+            "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim})
+    torch.manual_seed(2)
+    hf_model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():  # norms around 1 and a decisive router, as build() draws
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+            else:
+                param.normal_(0.0, 0.5 if "mlp.gate." in name else 0.1)
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.3)
+    hf_model.save_pretrained(tmp_path)
+    mtp_layer = f"model.layers.{args.n_layers}"
+    mtp_tensors = {f"{mtp_layer}.eh_proj.weight": torch.randn(args.dim, 2 * args.dim),
+                   f"{mtp_layer}.enorm.weight": torch.ones(args.dim)}
+    save_file(mtp_tensors, tmp_path / "model-mtp.safetensors")
+    weight_map = {name: "model.safetensors" for name in read_safetensors(tmp_path) if name not in mtp_tensors}
+    weight_map.update({name: "model-mtp.safetensors" for name in mtp_tensors})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    fresh = Transformer(args)
+    torch.manual_seed(0)  # read_hf_weights inits what the folder lacks under seed 0
+    init_weights(fresh)
+    model = build(args, seed=3)
+    model.load_state_dict(read_hf_weights(tmp_path, args))
+    messages = [record.getMessage() for record in titan_records]
+    assert any(f"holds {HUB_ROWS} vocabulary rows" in message for message in messages)
+    assert any(f"layers [{args.n_layers}]" in message and "skips them" in message for message in messages)
+    tokens = sample_tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(model.user_logits(tokens), hf_model.eval()(tokens).logits[..., :VOCAB],
+                                   **LOGITS_TOLERANCE)
+    for name, tensor in fresh.mtp.state_dict().items():  # the MTP modules: not in the folder, as initialised
+        assert torch.equal(model.mtp.state_dict()[name], tensor), name
+
+
+def test_softmax_routed_flavor_has_no_transformers_class(tmp_path: Path) -> None:
+    args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["16B"], vocab_size=VOCAB)
+    with pytest.raises(ConfigError, match="routes by softmax"):
+        hf_names(args)
