@@ -57,6 +57,9 @@ QWEN3_TIED = [*QWEN3, "--model.flavor", "debugmodel_tied"]
 # parallel ranks' losses differ from one process's (tests/test_moe.py checks its value and gradient).
 QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# A higher lr: at 3e-3 two steps of the debug MoE on short documents leave the loss where it started.
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--optimizer.lr", "1e-2"]
+DEEPSEEK_V3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", "--optimizer.lr", "1e-2"]
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
@@ -155,6 +158,18 @@ LAYOUTS = {
               qwen3_moe_hsdp2_ep2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2,
                                    "--parallelism.data_parallel_replicate_degree", "2",
                                    "--parallelism.data_parallel_shard_degree", "2"]),
+    # DeepSeek-V3: latent attention (values narrower than keys, through CP's ring), a dense first block before the
+    # experts (on PP's first stage), shared experts; with multi-token prediction where it runs (not PP, not CP).
+    **layouts(1, None, ref_deepseek_v3=["--training.local_batch_size", "4", *DEEPSEEK_V3],
+              ref_deepseek_v3_mtp=["--training.local_batch_size", "4", *DEEPSEEK_V3_MTP]),
+    **layouts(2, "ref_deepseek_v3", deepseek_v3_pp2=["--training.local_batch_size", "4", *DEEPSEEK_V3, *PP2],
+              deepseek_v3_cp2=["--training.local_batch_size", "4", *DEEPSEEK_V3, *CP2]),
+    **layouts(2, "ref_deepseek_v3_mtp",
+              deepseek_v3_mtp_fsdp2_compiled=["--training.local_batch_size", "2", *DEEPSEEK_V3_MTP, *FSDP2,
+                                              "--training.compile", *AOT_EAGER],
+              deepseek_v3_mtp_ep2=["--training.local_batch_size", "2", *DEEPSEEK_V3_MTP, *EP2]),
+    **layouts(4, "ref_deepseek_v3_mtp",
+              deepseek_v3_mtp_ep2_fsdp2=["--training.local_batch_size", "1", *DEEPSEEK_V3_MTP, *EP2]),
     **layouts(4, fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2],
               pp2_fsdp2=["--training.local_batch_size", "2", *PP2, *FSDP2],
               pp2_tp2=["--training.local_batch_size", "4", *PP2, *TP2],
@@ -264,6 +279,17 @@ def test_qwen3_tied_output_stays_the_embedding(runs: CaseResults, case: str) -> 
                                   "qwen3_moe_cp2_ep2", "qwen3_moe_ep2_fsdp2", "qwen3_moe_hsdp2_ep2"])
 def test_qwen3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
     assert_same_run(runs, case)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3_pp2", "deepseek_v3_cp2", "deepseek_v3_mtp_fsdp2_compiled",
+                                  "deepseek_v3_mtp_ep2", "deepseek_v3_mtp_ep2_fsdp2"])
+def test_deepseek_v3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
+    """The layouts, and with MTP modules their loss too (logged on its own: mtp_loss)."""
+    assert_same_run(runs, case)
+    if "mtp" in case:
+        got, ref = ([record["mtp_loss"] for record in runs[name]["metrics"] if "mtp_loss" in record]
+                    for name in (case, LAYOUTS[case].reference))
+        assert got and got == pytest.approx(ref, rel=1e-5)
 
 
 @pytest.mark.parametrize("case", ["fsdp2_tp2"])

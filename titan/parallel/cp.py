@@ -214,16 +214,20 @@ def _ring_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Ten
     query_chunks = query.split(chunk_len, dim=2)
     query_ids = _chunk_ids(cp_rank, cp_degree)
     merged: dict[int, tuple[Tensor, Tensor]] = {}  # per local query chunk: (attention so far, its log-sum-exp)
-    kv = torch.stack([key, value])  # (2, bs, heads, local_seq, head_dim): one buffer, so one collective per hop
+    # One buffer, so one collective per hop: (bs, heads, local_seq, key_dim + value_dim), since multi-head latent
+    # attention's values are narrower than its keys.
+    kv = torch.cat([key, value], dim=-1)
+    key_dim = key.size(-1)
     for hop in range(cp_degree):
         if hop > 0:
             kv = _pass_to_next_rank(kv, group_name, cp_rank, cp_degree)
         key_ids = _chunk_ids((cp_rank - hop) % cp_degree, cp_degree)
-        for key_id, kv_chunk in zip(key_ids, kv.split(chunk_len, dim=3)):
+        for key_id, kv_chunk in zip(key_ids, kv.split(chunk_len, dim=2)):
+            key_chunk, value_chunk = kv_chunk.split([key_dim, kv_chunk.size(-1) - key_dim], dim=-1)
             for i, (query_id, query_chunk) in enumerate(zip(query_ids, query_chunks)):
                 if key_id <= query_id:
                     visible = _block_mask(query_id, key_id, chunk_len, document_ids, query.device)
-                    block = _block_attention(query_chunk, kv_chunk[0], kv_chunk[1], visible, scale)
+                    block = _block_attention(query_chunk, key_chunk, value_chunk, visible, scale)
                     merged[i] = _merge(merged.get(i), block)
     # Both chunks have entries: at hop 0 each query chunk meets its own chunk.
     return torch.cat([merged[i][0] for i in range(2)], dim=2).to(query.dtype)
