@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import regex
 from transformers import AutoTokenizer
 
 import tokenizers
@@ -24,7 +25,7 @@ from titan.data.cache import cached_store_path
 from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.store import open_store, tokenizer_fingerprint
-from titan.data.tokenizer import LLAMA3_SPLIT_PATTERN, SHIPPED_TOKENIZER, build_tokenizer
+from titan.data.tokenizer import LLAMA3_SPLIT_PATTERN, SHIPPED_TOKENIZER, build_tokenizer, isolated_pieces
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from harness.train_script import run_train_here
@@ -86,6 +87,37 @@ def write_qwen_style(folder: Path, config: dict[str, Any] | None = QWEN3_BASE_CO
     return folder / "tokenizer.json"
 
 
+# DeepSeek-V3's pre-tokenizer (its tokenizer.json): digits in threes, then CJK runs, then the rest by a regex of its
+# own, each Split isolating its matches, and its special tokens and tokenizer_config.json.
+DEEPSEEK_V3_SPLITS = [
+    r"\p{N}{1,3}",
+    r"[一-龥\u3040-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+]
+DEEPSEEK_SPECIAL = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"]
+DEEPSEEK_V3_CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token": DEEPSEEK_SPECIAL[0],
+                      "eos_token": DEEPSEEK_SPECIAL[1], "tokenizer_class": "LlamaTokenizerFast"}
+
+
+def write_deepseek_style(folder: Path) -> Path:
+    """DeepSeek-V3's layout: three isolating Splits then a ByteLevel that only maps bytes, no normalizer, BOS and EOS
+    from tokenizer_config.json."""
+    tokenizer = tokenizers.Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in DEEPSEEK_V3_SPLITS),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    train_byte_level_bpe(tokenizer, 1500)
+    tokenizer.add_special_tokens(DEEPSEEK_SPECIAL)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(tokenizer.to_str())
+    (folder / "tokenizer_config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    return folder / "tokenizer.json"
+
+
 def write_gpt2_style(folder: Path) -> Path:
     """GPT-2's layout: a ByteLevel pre-tokenizer with its own regex, no normalizer, and <|endoftext|> both in the
     vocab and among the added tokens; no tokenizer_config.json."""
@@ -112,6 +144,11 @@ def gpt2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_gpt2_style(tmp_path_factory.mktemp("gpt2"))
 
 
+@pytest.fixture(scope="module")
+def deepseek_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_deepseek_style(tmp_path_factory.mktemp("deepseek"))
+
+
 def backend(path: Path) -> tokenizers.Tokenizer:
     """The `tokenizers` library on the file, encoding special-token strings in text as text, as Titan does."""
     reference = tokenizers.Tokenizer.from_file(str(path))
@@ -131,7 +168,7 @@ def edited(path: Path, folder: Path, edit) -> Path:
 # Ids
 
 
-@pytest.mark.parametrize("style", ["qwen", "gpt2"])
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
 @pytest.mark.parametrize("name", TEXTS)
 def test_ids_match_tokenizers(style: str, name: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(f"{style}_path")
@@ -139,7 +176,7 @@ def test_ids_match_tokenizers(style: str, name: str, request: pytest.FixtureRequ
     assert titan.encode(TEXTS[name], bos=False, eos=False) == backend(path).encode(TEXTS[name]).ids
 
 
-@pytest.mark.parametrize("style", ["qwen", "gpt2"])
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
 def test_ids_match_tokenizers_on_corpus(style: str, request: pytest.FixtureRequest) -> None:
     """Documents the BPE was not trained on (the trained-on ones end the corpus)."""
     path = request.getfixturevalue(f"{style}_path")
@@ -154,6 +191,20 @@ def test_qwen_split_takes_digits_one_at_a_time(qwen_path: Path) -> None:
     titan = build_tokenizer(str(qwen_path))
     assert [titan.decode([token]) for token in titan.encode("x 2024", bos=False, eos=False)] == \
         ["x", " ", "2", "0", "2", "4"]
+
+
+def test_deepseek_splits_digits_in_threes_and_cjk_apart(deepseek_path: Path) -> None:
+    """Each of DeepSeek-V3's Splits cuts the pieces the one before left: digits in threes from the text, CJK runs
+    from what is between them, then the rest, and the ids are those of each piece on its own; BOS and EOS are its
+    sentence tokens."""
+    text = "ab1234中文cd"
+    pieces = isolated_pieces(text, [regex.compile(pattern) for pattern in DEEPSEEK_V3_SPLITS])
+    assert pieces == ["ab", "123", "4", "中文", "cd"]
+    titan = build_tokenizer(str(deepseek_path))
+    assert titan.encode(text, bos=False, eos=False) == [token for piece in pieces
+                                                         for token in titan.encode(piece, bos=False, eos=False)]
+    assert (titan.bos_id, titan.eos_id) == (titan.special_tokens[DEEPSEEK_SPECIAL[0]],
+                                            titan.special_tokens[DEEPSEEK_SPECIAL[1]])
 
 
 def test_nfc_before_encoding(qwen_path: Path, gpt2_path: Path) -> None:

@@ -105,6 +105,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     if tokenizer.hf_json is not None:
         rules = {"split_pattern": tokenizer.hf_json.split_pattern, "nfc": tokenizer.hf_json.nfc,
                  "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
+        if tokenizer.hf_json.isolating_splits:  # only where there are some: other files' fingerprints stay
+            rules["isolating_splits"] = list(tokenizer.hf_json.isolating_splits)
         digest.update(json.dumps(rules, sort_keys=True).encode())
     return digest.hexdigest()
 

@@ -8,6 +8,7 @@ import re
 import unicodedata
 from collections.abc import Iterator
 
+import regex
 import tiktoken
 
 from titan.config.errors import ConfigError
@@ -31,6 +32,8 @@ TITAN_SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)  # what any tokenizer other than L
 MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 _RUN = re.compile(r"\s+|\S+")
+WHOLE_PIECE = r"[\s\S]+"
+"""tiktoken's regex where the pieces are cut before it: each piece one match."""
 
 TIKTOKEN_FORMAT = "one `<base64 token bytes> <rank>` pair per line, ranks 0..N-1 (like Llama 3's tokenizer.model)"
 
@@ -60,8 +63,14 @@ class Tokenizer:
         """`mergeable_ranks` of a tiktoken file get Llama 3's regex and special tokens (special_tokens_for);
         `hf_json` brings a tokenizer.json's instead."""
         special_tokens = special_tokens_for(len(mergeable_ranks)) if hf_json is None else hf_json.special_tokens
+        # tiktoken cuts text with one regex and drops what no match covers. A file whose text passes several regexes
+        # in turn, each keeping the text between its matches as pieces too, is cut here, whole, and tiktoken
+        # encodes each piece as one.
+        splits = hf_json.isolating_splits + (hf_json.split_pattern,) if hf_json is not None else ()
+        self._splits = [regex.compile(pattern) for pattern in splits] if len(splits) > 1 else []
         self._encoding = tiktoken.Encoding(
-            name=name, pat_str=LLAMA3_SPLIT_PATTERN if hf_json is None else hf_json.split_pattern,
+            name=name, pat_str=WHOLE_PIECE if self._splits else
+            LLAMA3_SPLIT_PATTERN if hf_json is None else hf_json.split_pattern,
             mergeable_ranks=mergeable_ranks, special_tokens=special_tokens,
         )
         # Public so that exporters (titan/data/hf_tokenizer.py) can rebuild the same tokenizer in other formats, or
@@ -80,13 +89,34 @@ class Tokenizer:
         if self.hf_json is not None and self.hf_json.nfc:
             text = unicodedata.normalize("NFC", text)
         for piece in tiktoken_pieces(text):
-            ids.extend(self._encoding.encode_ordinary(piece))
+            for part in isolated_pieces(piece, self._splits):
+                ids.extend(self._encoding.encode_ordinary(part))
         if eos:
             ids.append(self.eos_id)
         return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)
+
+
+def isolated_pieces(text: str, splits: list[regex.Pattern]) -> list[str]:
+    """`text` cut by each regex of `splits` in turn, as Hugging Face's Split pre-tokenizer with behavior Isolated
+    cuts: every match a piece, and every stretch between matches a piece too. No splits: the text whole."""
+    pieces = [text]
+    for split in splits:
+        cut: list[str] = []
+        for piece in pieces:
+            start = 0
+            for match in split.finditer(piece):
+                if match.start() > start:
+                    cut.append(piece[start:match.start()])
+                if match.end() > match.start():
+                    cut.append(match.group())
+                start = max(start, match.end())
+            if start < len(piece):
+                cut.append(piece[start:])
+        pieces = cut
+    return pieces
 
 
 def tiktoken_pieces(text: str) -> Iterator[str]:

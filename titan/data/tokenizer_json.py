@@ -28,9 +28,9 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 GPT2_SPLIT_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 # What ends a document in these families' pretraining data: GPT-2's and Qwen's token, then Llama 3's.
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
-SUPPORTED = ("Titan reads byte-level BPE tokenizer.json files (the GPT-2, Llama 3, Qwen2 and Qwen3 kind: model BPE, "
-             "a ByteLevel pre-tokenizer and decoder, optionally a Split regex before it and an NFC normalizer) and "
-             "tiktoken files")
+SUPPORTED = ("Titan reads byte-level BPE tokenizer.json files (the GPT-2, Llama 3, Qwen2, Qwen3 and DeepSeek-V3 kind: "
+             "model BPE, a ByteLevel pre-tokenizer and decoder, optionally Split regexes before it and an NFC "
+             "normalizer) and tiktoken files")
 
 
 @dataclass(frozen=True)
@@ -40,12 +40,16 @@ class TokenizerJson:
     special_tokens: dict[str, int]
     """Every added token, by its own id."""
     split_pattern: str
+    """The last regex that cuts text before BPE (what tiktoken applies)."""
     nfc: bool
     """Normalize text to NFC before encoding, as the file's normalizer does."""
     bos_id: int | None
     eos_id: int
     files: dict[str, bytes]
     """tokenizer.json and, when there is one, tokenizer_config.json, as read: Hugging Face exports carry them."""
+    isolating_splits: tuple[str, ...] = ()
+    """Regexes that cut text before split_pattern, one after the other, each match a piece of its own and the text
+    between too (DeepSeek-V3's: digits in threes, then CJK runs)."""
 
 
 def byte_level_table() -> dict[int, str]:
@@ -88,7 +92,7 @@ def read_tokenizer_json(resolved: Path, content: bytes, given: str) -> tuple[dic
         raise json_error(given, "is JSON without a tokenizer `model`: not a Hugging Face tokenizer.json")
     model = tokenizer["model"]
     check_bpe_model(model, given)
-    split_pattern = read_split_pattern(tokenizer.get("pre_tokenizer"), given)
+    *isolating_splits, split_pattern = read_split_patterns(tokenizer.get("pre_tokenizer"), given)
     nfc = read_normalizer(tokenizer.get("normalizer"), given)
     if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
         raise json_error(given, f"has a {describe(tokenizer.get('decoder'))} decoder, not ByteLevel")
@@ -103,7 +107,7 @@ def read_tokenizer_json(resolved: Path, content: bytes, given: str) -> tuple[dic
     if config_path.is_file():
         config, files[TOKENIZER_CONFIG_FILE] = read_tokenizer_config(config_path, given)
     bos_id, eos_id = read_bos_eos(config, special_tokens, given)
-    return ranks, TokenizerJson(special_tokens, split_pattern, nfc, bos_id, eos_id, files)
+    return ranks, TokenizerJson(special_tokens, split_pattern, nfc, bos_id, eos_id, files, tuple(isolating_splits))
 
 
 def describe(component: Any) -> str:
@@ -130,9 +134,9 @@ def pre_tokenizer_steps(pre_tokenizer: dict[str, Any] | None) -> list[dict[str, 
     return [pre_tokenizer]
 
 
-def read_split_pattern(pre_tokenizer: dict[str, Any] | None, given: str) -> str:
-    """The regex that cuts text before BPE: a Split's (Llama 3, Qwen2) followed by a ByteLevel that only maps
-    bytes, or GPT-2's, which a ByteLevel with use_regex applies itself."""
+def read_split_patterns(pre_tokenizer: dict[str, Any] | None, given: str) -> list[str]:
+    """The regexes that cut text before BPE, in order: Splits' (one for Llama 3 and Qwen2, three for DeepSeek-V3)
+    followed by a ByteLevel that only maps bytes, or GPT-2's, which a ByteLevel with use_regex applies itself."""
     steps = pre_tokenizer_steps(pre_tokenizer)
     types = [step.get("type") for step in steps]
     byte_level_step = steps[-1] if types and types[-1] == "ByteLevel" else None
@@ -140,17 +144,18 @@ def read_split_pattern(pre_tokenizer: dict[str, Any] | None, given: str) -> str:
         raise json_error(given, f"has pre-tokenizers {types} (needs a ByteLevel without add_prefix_space last): "
                                 f"not a byte-level BPE of the supported kind")
     if types == ["ByteLevel"] and byte_level_step.get("use_regex", True):
-        return GPT2_SPLIT_PATTERN
-    split = steps[0]
-    if types != ["Split", "ByteLevel"] or byte_level_step.get("use_regex", True):
+        return [GPT2_SPLIT_PATTERN]
+    splits = steps[:-1]
+    if not splits or set(types[:-1]) != {"Split"} or byte_level_step.get("use_regex", True):
         raise json_error(given, f"has pre-tokenizers {types} with the ByteLevel's use_regex "
                                 f"{byte_level_step.get('use_regex', True)}; supported are a ByteLevel with use_regex "
-                                f"alone, or a Split then a ByteLevel without it")
-    if "Regex" not in split.get("pattern", {}) or split.get("behavior") != "Isolated" or split.get("invert"):
-        raise json_error(given, f"has a Split pre-tokenizer with pattern {split.get('pattern')!r}, behavior "
-                                f"{split.get('behavior')!r} and invert {split.get('invert')!r}; only a Regex with "
-                                f"behavior Isolated and invert false cuts text as tiktoken does")
-    return split["pattern"]["Regex"]
+                                f"alone, or Splits then a ByteLevel without it")
+    for split in splits:
+        if "Regex" not in split.get("pattern", {}) or split.get("behavior") != "Isolated" or split.get("invert"):
+            raise json_error(given, f"has a Split pre-tokenizer with pattern {split.get('pattern')!r}, behavior "
+                                    f"{split.get('behavior')!r} and invert {split.get('invert')!r}; only a Regex with "
+                                    f"behavior Isolated and invert false cuts text as tiktoken does")
+    return [split["pattern"]["Regex"] for split in splits]
 
 
 def read_normalizer(normalizer: dict[str, Any] | None, given: str) -> bool:

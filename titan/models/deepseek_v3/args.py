@@ -55,10 +55,10 @@ V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, beta_f
                       mscale_all_dim=1.0)
 V2_LITE_YARN = replace(V3_YARN, mscale=0.707, mscale_all_dim=0.707)
 
-# The debug flavors keep DeepSeek-V3's traits at CPU sizes: MLA with YaRN, one dense block first, sigmoid routing
-# over 4 groups of which a token may use 2, scaled weights and a shared expert.
+# The debug flavors keep DeepSeek-V3's traits at CPU sizes: MLA with YaRN, one dense block before two MoE blocks,
+# sigmoid routing over 4 groups of which a token may use 2, scaled weights and a shared expert.
 DEBUG = DeepSeekV3Args(
-    dim=256, n_layers=4, n_heads=8, n_kv_heads=8, q_lora_rank=0, kv_lora_rank=128, qk_nope_head_dim=32,
+    dim=256, n_layers=3, n_heads=8, n_kv_heads=8, q_lora_rank=0, kv_lora_rank=128, qk_nope_head_dim=32,
     qk_rope_head_dim=16, v_head_dim=32, hidden_dim=768, first_k_dense_replace=1, rope_scaling=V2_LITE_YARN,
     moe=MoEArgs(num_experts=8, top_k=3, hidden_dim=256, score_func="sigmoid", n_group=4, topk_group=2,
                 routed_scaling_factor=2.5, num_shared_experts=1, expert_bias=True))
