@@ -38,7 +38,7 @@ LOCAL_BATCH_SIZE = 4
 BASE = ["--training.seq_len", "64", "--training.local_batch_size", str(LOCAL_BATCH_SIZE), "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(MIDDLE)]
-DEEPSEEK_V3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp"]
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 
 
 def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedProcess:
@@ -57,10 +57,10 @@ STRAIGHT_RUNS = {
     "bf16-optimizer-state": (1, [], ["--optimizer.state_dtype", "bfloat16"]),
     "fsdp2": (2, [], ["--parallelism.data_parallel_shard_degree", "2"]),
     # Experts split over 2 EP ranks (with their optimizer state, and the routing biases): DeepSeek-V3's, with latent
-    # attention, a dense first block, shared experts and an MTP module. EP ranks are data-parallel ranks: 2 sequences
-    # each make the global batch of 4 of one process.
-    "deepseek-v3-ep2": (2, DEEPSEEK_V3_MTP, ["--parallelism.expert_parallel_degree", "2",
-                                             "--training.local_batch_size", "2"]),
+    # attention, a dense first block and shared experts. EP ranks are data-parallel ranks: 2 sequences each make the
+    # global batch of 4 of one process.
+    "deepseek-v3-ep2": (2, DEEPSEEK_V3, ["--parallelism.expert_parallel_degree", "2",
+                                         "--training.local_batch_size", "2"]),
     "pp2": (2, [], ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points",
                     "layers.2"]),
     "cp2": (2, [], ["--parallelism.context_parallel_degree", "2"]),

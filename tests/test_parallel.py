@@ -158,12 +158,11 @@ LAYOUTS = {
     # experts (on PP's first stage), shared experts; with multi-token prediction where it runs (not PP, not CP).
     **layouts(1, None, ref_deepseek_v3=["--training.local_batch_size", "4", *DEEPSEEK_V3],
               ref_deepseek_v3_mtp=["--training.local_batch_size", "4", *DEEPSEEK_V3_MTP]),
-    # Compiled under PP: each rank traces only its stage's blocks (a mixture of experts' graph breaks make compiling
-    # the whole model on every rank costly). EP 2 borrows the context-parallel ranks, each holding half of every
-    # sequence's tokens. EP 2 alone against one process: tests/test_checkpoint.py's resume on one process.
+    # EP 2 borrows the context-parallel ranks, each holding half of every sequence's tokens. EP 2 alone against one
+    # process: tests/test_checkpoint.py's resume on one process. Not compiled here: a mixture of experts' graph breaks
+    # make even aot_eager cost 10 s a case (the closing note of issue 36 has the compiled runs).
     **layouts(2, "ref_deepseek_v3",
-              deepseek_v3_pp2_compiled=["--training.local_batch_size", "4", *DEEPSEEK_V3, *PP2, "--training.compile",
-                                        *AOT_EAGER],
+              deepseek_v3_pp2=["--training.local_batch_size", "4", *DEEPSEEK_V3, *PP2],
               deepseek_v3_cp2_ep2=["--training.local_batch_size", "4", *DEEPSEEK_V3, *CP2, *EP2]),
     **layouts(2, "ref_deepseek_v3_mtp",
               deepseek_v3_mtp_fsdp2=["--training.local_batch_size", "2", *DEEPSEEK_V3_MTP, *FSDP2]),
@@ -280,7 +279,7 @@ def test_qwen3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
     assert_same_run(runs, case)
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3_pp2_compiled", "deepseek_v3_cp2_ep2", "deepseek_v3_mtp_fsdp2",
+@pytest.mark.parametrize("case", ["deepseek_v3_pp2", "deepseek_v3_cp2_ep2", "deepseek_v3_mtp_fsdp2",
                                   "deepseek_v3_mtp_ep2_fsdp2"])
 def test_deepseek_v3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
     """The layouts, and with MTP modules their loss too (logged on its own: mtp_loss)."""
@@ -588,7 +587,7 @@ def test_bf16_optimizer_state_keeps_tp_replicated_parameters_identical(runs: Cas
     assert not torch.equal(first["norm.weight"], initial_norm)
 
 
-@pytest.mark.parametrize("case", ["deepseek_v3_pp2_compiled"])
+@pytest.mark.parametrize("case", ["deepseek_v3_pp2"])
 def test_expert_load_metrics_cover_every_layer_under_pp(runs: CaseResults, case: str) -> None:
     """Rank 0 writes metrics.jsonl and holds only the first pipeline stage (blocks 0-1 of 3, block 0 dense); its
     records still report every MoE layer's load, under the model's FQNs in model order, as one process counts it."""
