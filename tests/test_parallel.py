@@ -57,9 +57,8 @@ QWEN3_TIED = [*QWEN3, "--model.flavor", "debugmodel_tied"]
 # parallel ranks' losses differ from one process's (tests/test_moe.py checks its value and gradient).
 QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
-# A higher lr: at 3e-3 two steps of the debug MoE on short documents leave the loss where it started.
-DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--optimizer.lr", "1e-2"]
-DEEPSEEK_V3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp", "--optimizer.lr", "1e-2"]
+DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
+DEEPSEEK_V3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp"]
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
@@ -227,8 +226,11 @@ def runs(launched: CaseResults) -> CaseResults:
     return launched
 
 
-def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True, weight_atol: float = 1e-4) -> None:
-    """`case` ran like its one-process reference: losses, validation loss and final weights."""
+def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True, weight_atol: float = 1e-4,
+                    loss_falls: bool = True) -> None:
+    """`case` ran like its one-process reference: losses, validation loss and final weights. `loss_falls`: the
+    reference's second batch has a lower loss than its first, which a model that learns this fast shows; otherwise
+    every step's gradient norm and learning rate were nonzero, so Adam moved the weights."""
     got, ref = runs[case], runs[LAYOUTS[case].reference]
     torch.testing.assert_close(got["losses"], ref["losses"], rtol=1e-5, atol=0)
     if evaluated:
@@ -239,7 +241,11 @@ def assert_same_run(runs: CaseResults, case: str, evaluated: bool = True, weight
     for name, value in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], value, rtol=1e-4, atol=weight_atol, msg=name)
     # Training really moved the weights, so equal final weights mean equal updates.
-    assert ref["losses"][-1] < ref["losses"][0]
+    if loss_falls:
+        assert ref["losses"][-1] < ref["losses"][0]
+    else:
+        assert [record["step"] for record in ref["metrics"]] == [1, STEPS]
+        assert all(record["grad_norm"] > 0 and record["lr"] > 0 for record in ref["metrics"])
 
 
 @pytest.mark.parametrize("case", ["fsdp2", "hsdp2", "fsdp2_cpu_offload", "fsdp1", "fsdp1_cpu_offload"])
@@ -282,8 +288,9 @@ def test_qwen3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
 @pytest.mark.parametrize("case", ["deepseek_v3_pp2", "deepseek_v3_cp2_ep2", "deepseek_v3_mtp_fsdp2",
                                   "deepseek_v3_mtp_ep2_fsdp2"])
 def test_deepseek_v3_layouts_match_one_process(runs: CaseResults, case: str) -> None:
-    """The layouts, and with MTP modules their loss too (logged on its own: mtp_loss)."""
-    assert_same_run(runs, case)
+    """The layouts, and with MTP modules their loss too (logged on its own: mtp_loss). Two steps of a mixture of
+    experts need not lower the loss from one batch to the next (on torch 2.11 they do not)."""
+    assert_same_run(runs, case, loss_falls=False)
     if "mtp" in case:
         got, ref = ([record["mtp_loss"] for record in runs[name]["metrics"] if "mtp_loss" in record]
                     for name in (case, LAYOUTS[case].reference))
