@@ -18,6 +18,7 @@ from titan.estimate import rank_server
 from titan.estimate.fake_cuda import cuda_refusal, sdpa_backend
 from titan.estimate.report import format_report
 from titan.estimate.simulate import DryRunResult, run_dry_run
+from titan.estimate.trace import SCALED_MM_V2, op_flops, precision_class
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.models.llama.model import Transformer, TransformerBlock
 
@@ -233,8 +234,32 @@ def test_experts_fsdp_inside_checkpointed_blocks_dry_run_on_the_simulated_gpu() 
     """Qwen3-MoE with expert FSDP (EP 2 of 4 data-parallel ranks) in blocks that keep attention under compile (full
     AC with a selective-checkpoint context): on CUDA the experts' FSDP unit, first of the recompute, opens one more
     profiler range than in forward, and torch 2.13's selective checkpointing refused the backward (issue 33, found by
-    the simulated GPU; the CPU build took the same path without that range)."""
+    the simulated GPU; the CPU build took the same path without that range).
+
+    On a simulated B200, with the first three MoE layers' experts in float8 rowwise and the last three in MXFP8 (dense
+    linears in bf16): every expert matmul is a native torch._scaled_grouped_mm, whose meta checks (operand layouts,
+    scale shapes, offsets) a GPU applies, counted at the float8 peak. Each rank's experts get an even share of the
+    routed tokens, 4 x 256 x top 2 = 2048 rows, which the converter pads to whole blocks of 16 (float8) or 32 (MX)
+    per expert: an upper bound of 2048 + 4 local experts x 15 (or 31) rows, rounded up, 2112 and 2176. Each layer
+    runs 12 grouped matmuls (3 forward, 3 recomputed, 3 grad_input, 3 grad_weight) of 2 x rows x dim x hidden FLOPs."""
     cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "qwen3_debug_moe.toml"),
                            "--activation_checkpoint.mode", "full", "--training.compile",
-                           "--training.mixed_precision_param", "bfloat16", "--job.dry_run"], 4)
-    assert run_dry_run(cfg, 4, rank=0).memory.total > 0
+                           "--training.mixed_precision_param", "bfloat16", "--estimate.gpu", "B200",
+                           "--model.converters", "float8", "mx", "--float8.recipe_name", "rowwise",
+                           "--float8.filter_fqns", "output", "attention", "--float8.moe_fqns_prototype", "layers.0.",
+                           "layers.1.", "layers.2.", "--mx.filter_fqns", "output", "attention",
+                           "--mx.moe_fqns_prototype", "layers.3.", "layers.4.", "layers.5.", "--job.dry_run"], 4)
+    result = run_dry_run(cfg, 4, rank=0)
+    assert result.memory.total > 0
+    dim = hidden = 256
+    expected = 12 * 2 * dim * hidden * (3 * 2112 + 3 * 2176)
+    assert sum(op.flops for op in result.ops if op.precision == "fp8") == expected
+
+
+def test_nvfp4_matmuls_count_both_elements_of_each_byte() -> None:
+    """torch.nn.functional.scaled_mm's op, which NVFP4 linears call natively: float4_e2m1fn_x2 packs two elements a
+    byte, so a (M, K / 2) left operand contracts K, and the op is timed at the FP4 peak."""
+    packed = torch.empty(64, 128, dtype=torch.float4_e2m1fn_x2)  # (M, K / 2), K = 256
+    out = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert op_flops(SCALED_MM_V2, (packed,), {}, out) == 2 * 64 * 32 * 256
+    assert precision_class(packed) == "fp4"

@@ -329,7 +329,7 @@ def test_debug_model_converts_and_trains_in_float8(tmp_path: Path, recipe_name: 
     assert converted.keys() == DEBUG_MODEL_BLOCK_LINEAR_FQNS
     assert all(module.recipe is RECIPES[recipe_name] and module.emulate for module in converted.values())
     reported, count = float8_rows_of_report(titan_records)
-    assert reported == converted.keys() and count == "42 of 43 linear layers converted"
+    assert reported == converted.keys() and count.startswith("42 of 43 linear layers converted: 88.9% of")
     fp32 = fp32_debug_losses
     assert all(math.isfinite(loss) for loss in float8)
     assert float8 != fp32  # the float8 matmuls ran

@@ -10,14 +10,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.job import MX, Float8
 from titan.models.common import moe as moe_module
 from titan.models.common.flops import num_active_params, num_params
-from titan.models.common.moe import GroupedExperts, MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
+from titan.models.common.moe import MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
 from titan.models.qwen3 import QWEN3_FLAVORS, Transformer, init_weights
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import expert_major_order
-from titan.quant.convert import apply_converters
 from titan.train.expert_balance import ExpertBalancer
 
 from harness.torchrun import run_torchrun
@@ -267,18 +265,3 @@ def test_expert_parallel_borrows_data_parallel_ranks() -> None:
     cfg = load_job_config([*MOE_FLAVOR, "--parallelism.expert_parallel_degree", "2"], world_size=4)
     dims = resolve_dims(cfg.parallelism, 4, cpu_offload=False)
     assert (dims.dp_shard, dims.ep, dims.expert_fsdp, dims.world_size) == (4, 2, 2, 4)
-
-
-def test_float8_converts_the_dense_linears_and_keeps_routers_and_experts(caplog: pytest.LogCaptureFixture) -> None:
-    args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], vocab_size=2256, n_layers=2, max_seq_len=32)
-    with torch.device("meta"):
-        model = Transformer(args)
-    with caplog.at_level("INFO", logger="titan"):
-        conversion = apply_converters(model, ["float8"], Float8(emulate=True), MX(), tp_degree=1, fsdp_enabled=False,
-                                      print_after_conversion=False)
-    results = {decision.fqn: decision for decision in conversion.decisions}
-    assert results["layers.0.attention.wq"].converted
-    assert not results["layers.0.moe.router.gate"].converted
-    assert "a router" in results["layers.0.moe.router.gate"].result
-    assert type(model.layers["0"].moe.experts) is GroupedExperts
-    assert "The experts of 2 MoE layers (layers.0.moe.experts, ...) stay in high precision" in caplog.text

@@ -11,10 +11,11 @@ from torch import Tensor, nn
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.job import MX, Float8
+from titan.config.job import MX, NVFP4, Float8
 from titan.quant.convert import apply_converters, apply_mx, format_report
 from titan.quant.float8.linear import Float8Linear
-from titan.quant.mx.linear import MXLinear, to_blocked
+from titan.quant.mx.blocked import to_blocked
+from titan.quant.mx.linear import MXLinear
 
 from harness.debug_training import DEBUG_TOML, train_losses
 from reference import float8_ref, mx_ref
@@ -149,7 +150,7 @@ def test_filters_and_tensor_parallel_shards() -> None:
 
 def test_float8_and_mx_must_split_the_layers() -> None:
     with pytest.raises(ConfigError) as error:
-        apply_converters(Toy(), ["float8", "mx"], Float8(), MX(), tp_degree=1, fsdp_enabled=False,
+        apply_converters(Toy(), ["float8", "mx"], Float8(), MX(), NVFP4(), tp_degree=1, fsdp_enabled=False,
                          print_after_conversion=False)
     message = str(error.value)
     assert "--model.converters float8 and mx would both convert 2 linear layers (attention, feed_forward)" in message
@@ -158,7 +159,7 @@ def test_float8_and_mx_must_split_the_layers() -> None:
     model = Toy()
     decisions = decisions_by_fqn(apply_converters(
         model, ["float8", "mx"], Float8(filter_fqns=["output", "feed_forward"]),
-        MX(filter_fqns=["output", "attention"]), tp_degree=1, fsdp_enabled=False,
+        MX(filter_fqns=["output", "attention"]), NVFP4(), tp_degree=1, fsdp_enabled=False,
         print_after_conversion=False).decisions)
     assert isinstance(model.attention, Float8Linear) and isinstance(model.feed_forward, MXLinear)
     assert isinstance(model.odd, Float8Linear)  # mx cannot take it, float8 can
@@ -170,7 +171,7 @@ def test_float8_and_mx_must_split_the_layers() -> None:
 def test_print_after_conversion(titan_records: list[logging.LogRecord]) -> None:
     with torch.device("meta"):
         model = Toy()
-    apply_converters(model, ["mx"], Float8(), MX(emulate=True), tp_degree=1, fsdp_enabled=False,
+    apply_converters(model, ["mx"], Float8(), MX(emulate=True), NVFP4(), tp_degree=1, fsdp_enabled=False,
                      print_after_conversion=True)
     log = "\n".join(record.getMessage() for record in titan_records)
     assert "Model conversion report" in log

@@ -25,11 +25,12 @@ NODE = Network()
 # NVIDIA's datasheets (SXM parts), copied here by hand rather than from the code: dense (not sparse) tensor-core
 # TFLOP/s for BF16, FP8 and TF32 (the sheets state sparse figures, twice these), HBM in GB and TB/s. H100 and H200:
 # the H100/H200 Tensor Core GPU datasheets (1,979 / 3,958 / 989 TFLOPS sparse); B200: the DGX B200 datasheet, per
-# GPU (72 PFLOPS FP8 training for 8 GPUs, sparse; 1,440 GB and 64 TB/s for 8).
+# GPU (72 PFLOPS FP8 training for 8 GPUs, sparse; 1,440 GB and 64 TB/s for 8); its dense FP4, 9 PFLOPS, from the
+# B200 datasheet (18 sparse). Hopper has no FP4 tensor cores.
 DATASHEETS = {
-    "H100": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 80e9, "hbm_bandwidth": 3.35e12},
-    "H200": {"bf16": 989.5e12, "fp8": 1979e12, "tf32": 494.5e12, "hbm": 141e9, "hbm_bandwidth": 4.8e12},
-    "B200": {"bf16": 2250e12, "fp8": 4500e12, "tf32": 1125e12, "hbm": 180e9, "hbm_bandwidth": 8e12},
+    "H100": {"bf16": 989.5e12, "fp8": 1979e12, "fp4": 0.0, "tf32": 494.5e12, "hbm": 80e9, "hbm_bandwidth": 3.35e12},
+    "H200": {"bf16": 989.5e12, "fp8": 1979e12, "fp4": 0.0, "tf32": 494.5e12, "hbm": 141e9, "hbm_bandwidth": 4.8e12},
+    "B200": {"bf16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "tf32": 1125e12, "hbm": 180e9, "hbm_bandwidth": 8e12},
 }
 
 
@@ -39,6 +40,7 @@ def test_gpu_specs_match_the_datasheets(name: str) -> None:
     sheet, gpu = DATASHEETS[name], GPUS[name]
     assert gpu.peak_bf16_flops == pytest.approx(sheet["bf16"], rel=1e-3)
     assert gpu.peak_fp8_flops == pytest.approx(sheet["fp8"], rel=1e-3)
+    assert gpu.peak_fp4_flops == pytest.approx(sheet["fp4"], rel=1e-3)
     assert gpu.peak_tf32_flops == pytest.approx(sheet["tf32"], rel=1e-3)
     assert (gpu.hbm_bytes, gpu.hbm_bandwidth) == (sheet["hbm"], sheet["hbm_bandwidth"])
     # MFU's peak (metrics/throughput.py, looked up by device name) is the roofline's peak.
@@ -63,6 +65,9 @@ def test_op_roofline() -> None:
     assert fp32 == pytest.approx(compute_seconds([matmul], H100) * 2)
     with pytest.raises(ValueError, match="OpCost.precision"):
         compute_seconds([OpCost(1.0, 1, "int8")], H100)
+    with pytest.raises(ValueError, match="with a peak on H100"):  # an H100 has no FP4 matmuls to time
+        compute_seconds([OpCost(1.0, 1, "fp4")], H100)
+    assert compute_seconds([OpCost(1e12, 1000, "fp4")], GPUS["B200"]) == pytest.approx(1e12 / (9000e12 * 0.675))
 
 
 def test_achieved_ceilings_scale_each_kind_of_op() -> None:

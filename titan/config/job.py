@@ -83,7 +83,7 @@ class Model:
     """Pad the embedding and output rows up to a multiple of this, so float8 and TP can split them.
     Padded ids are never targets and are dropped from logits returned to users."""
     converters: list[str] = field(default_factory=list)
-    """Model converters applied after the model is built, e.g. `float8` or `mx`. Accepts a list
+    """Model converters applied after the model is built: `float8`, `mx`, `nvfp4`. Accepts a list
     (`--model.converters float8 mx`) or comma-separated names (`float8,mx`)."""
     print_after_conversion: bool = False
     """Print the model after converters ran, to check which layers were swapped."""
@@ -394,6 +394,11 @@ class Float8:
     output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""
     emulate: bool = False
     """Quantize, but run matmuls in high precision. Works on CPU and pre-SM89 GPUs; for tests, not speed."""
+    moe_fqns_prototype: list[str] = field(default_factory=lambda: ["experts"])
+    """Convert the grouped experts of mixture-of-experts layers whose FQN contains one of these substrings (e.g.
+    "experts", every MoE layer's): their grouped matmuls run in float8 with the recipe's scales (per expert for the
+    weights). Natively on Hopper (SM90) or newer, else with --float8.emulate. Pass the flag with no value to keep
+    the experts in high precision."""
     auto_filter_small_kdims: bool = False
     """Also skip linears too small to gain from float8 (torchao's published size thresholds per recipe)."""
     enable_fsdp_float8_all_gather: bool = False
@@ -465,6 +470,23 @@ class MX:
     emulate: bool = False
     """Quantize to MX, but run matmuls in high precision. Native MX needs an NVIDIA GPU with compute capability
     10.0+ (Blackwell); emulate runs the same numerics on CPU and older GPUs, for tests, not speed."""
+    moe_fqns_prototype: list[str] = field(default_factory=lambda: ["experts"])
+    """Convert the grouped experts of mixture-of-experts layers whose FQN contains one of these substrings (e.g.
+    "experts", every MoE layer's): their grouped matmuls run in MXFP8, blocks of 32 along each matmul's contraction
+    dim. Pass the flag with no value to keep the experts in high precision."""
+
+
+@dataclass
+class NVFP4:
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
+    output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""
+    high_precision_last_blocks_fraction: Fraction = 0.15
+    """Keep the last ceil(n_layers x this) transformer blocks in high precision, the most precision-sensitive ones
+    (torchtitan's NVFP4 recipe: 5 of Llama 3 8B's 32 blocks at 0.15). 0: convert every block."""
+    emulate: bool = False
+    """Quantize to NVFP4, but run matmuls in high precision. Native NVFP4 needs an NVIDIA GPU with compute
+    capability 10.0+ (Blackwell); emulate runs the same numerics on CPU and older GPUs, for tests, not speed."""
 
 
 @dataclass
@@ -497,6 +519,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)
     mx: MX = field(default_factory=MX)
+    nvfp4: NVFP4 = field(default_factory=NVFP4)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
     estimate: Estimate = field(default_factory=Estimate)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from titan.config.degrees import data_parallel_degree, resolved_shard_degree
 from titan.config.domain import field_ranges, parse_duration
@@ -34,7 +35,8 @@ from titan.config.stages import (
     requested_num_stages,
     split_point_layers,
 )
-from titan.models.families import FAMILIES, linear_fqns
+from titan.models.common.moe import GroupedExperts
+from titan.models.families import FAMILIES, module_fqns
 
 Rule = Callable[[JobConfig, int], str | list[str] | None]
 HardwareRule = Callable[[JobConfig, Accelerator], str | list[str] | None]
@@ -42,11 +44,13 @@ HardwareRule = Callable[[JobConfig, Accelerator], str | list[str] | None]
 AnyRule = TypeVar("AnyRule", Rule, HardwareRule)
 
 # Model converters this build provides.
-AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx")
+AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx", "nvfp4")
 # Float8 matmuls need SM89+ (Ada, Hopper, Blackwell).
 FLOAT8_MIN_CAPABILITY = (8, 9)
 # Block-scaled (MX) matmuls need SM100+ (Blackwell).
 MX_MIN_CAPABILITY = (10, 0)
+# torch._scaled_grouped_mm's float8 kernels (the experts' grouped matmuls) need SM90+ (Hopper, Blackwell).
+FLOAT8_GROUPED_MIN_CAPABILITY = (9, 0)
 
 
 def check_domains(cfg: JobConfig) -> tuple[list[str], set[str]]:
@@ -148,15 +152,25 @@ def unmatched_patterns(flag: str, entries: list[tuple[str, str]], fqns: list[str
 
 def check_converter_filters(cfg: JobConfig, world_size: int) -> list[str]:
     """A filter entry that matches no layer keeps nothing out, so the layer it was meant to protect (after a typo
-    or a rename) would silently train in low precision."""
-    filters = {"float8": cfg.float8.filter_fqns, "mx": cfg.mx.filter_fqns}
-    used = [name for name in filters if name in cfg.model.converters]
+    or a rename) would silently train in low precision; an experts entry that matches no experts converts nothing."""
+    sections = {"float8": cfg.float8, "mx": cfg.mx, "nvfp4": cfg.nvfp4}
+    used = [name for name in sections if name in cfg.model.converters]
     if not used or flavor_args(cfg) is None:
         return []
-    fqns = linear_fqns(cfg.model.name, cfg.model.flavor)  # layer names don't depend on the vocab or sequence length
-    return [problem for name in used
-            for problem in unmatched_patterns(f"--{name}.filter_fqns", [(entry, entry) for entry in filters[name]],
-                                              fqns, "linear layer", cfg.model.flavor, "keep nothing in high precision")]
+    # Module names don't depend on the vocab or sequence length.
+    linears = module_fqns(cfg.model.name, cfg.model.flavor, nn.Linear)
+    experts = module_fqns(cfg.model.name, cfg.model.flavor, GroupedExperts)
+    problems = [problem for name in used
+                for problem in unmatched_patterns(f"--{name}.filter_fqns",
+                                                  [(entry, entry) for entry in sections[name].filter_fqns], linears,
+                                                  "linear layer", cfg.model.flavor, "keep nothing in high precision")]
+    if experts:  # a dense flavor has no experts to name (and the default entry, "experts", names none of its layers)
+        problems += [problem for name in used if name != "nvfp4"  # NVFP4 keeps the experts in high precision
+                     for problem in unmatched_patterns(f"--{name}.moe_fqns_prototype",
+                                                       [(entry, entry) for entry in sections[name].moe_fqns_prototype],
+                                                       experts, "experts module", cfg.model.flavor,
+                                                       "leave every expert in high precision")]
+    return problems
 
 
 def parameter_fqns(cfg: JobConfig) -> list[str]:
@@ -638,6 +652,23 @@ def check_float8_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | Non
             f"matmuls.")
 
 
+def check_float8_experts_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    """Float8 experts multiply with torch._scaled_grouped_mm, which has CUDA kernels from Hopper on and none for the
+    CPU (the dense float8 linears' torch._scaled_mm has both)."""
+    f8 = cfg.float8
+    if "float8" not in cfg.model.converters or f8.emulate or not f8.moe_fqns_prototype:
+        return None
+    if getattr(flavor_args(cfg), "moe", None) is None:
+        return None
+    if accelerator.is_cuda and accelerator.capability >= FLOAT8_GROUPED_MIN_CAPABILITY:
+        return None
+    return (f"--model.converters float8 converts the experts of --model.flavor {cfg.model.flavor} (--float8."
+            f"moe_fqns_prototype {' '.join(f8.moe_fqns_prototype)}) to float8 grouped matmuls, which run natively only "
+            f"on NVIDIA GPUs with compute capability 9.0 or newer (Hopper, Blackwell); {accelerator.describe()}. Add "
+            f"--float8.emulate to run the same quantization with high-precision matmuls, or pass "
+            f"--float8.moe_fqns_prototype with no value to keep the experts in high precision.")
+
+
 @needs_in_range("training.local_batch_size", "training.seq_len", "parallelism.pipeline_parallel_degree",
                 "parallelism.pipeline_parallel_microbatch_size", "parallelism.context_parallel_degree",
                 "parallelism.tensor_parallel_degree")
@@ -672,16 +703,47 @@ def check_flex_attention_device(cfg: JobConfig, accelerator: Accelerator) -> str
             f"--model.attn_backend sdpa, which masks {cfg.model.attn_mask_type} attention on any device.")
 
 
-def check_mx_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
-    if "mx" not in cfg.model.converters or cfg.mx.emulate:
-        return None
+def check_nvfp4(cfg: JobConfig, world_size: int) -> list[str]:
+    """NVFP4 takes every eligible linear (no filter splits layers between it and float8 or mx), and its per-tensor
+    scales need the whole tensor's amax, which a tensor-parallel shard does not see."""
+    if "nvfp4" not in cfg.model.converters:
+        return []
+    problems = []
+    others = [name for name in ("float8", "mx") if name in cfg.model.converters]
+    if others:
+        problems.append(f"--model.converters nvfp4 does not combine with {' and '.join(others)} in one run. Use "
+                        f"nvfp4 alone for the dense linears, or {' or '.join(others)} for the linears and the "
+                        f"experts.")
+    tp = cfg.parallelism.tensor_parallel_degree
+    if tp > 1:
+        problems.append(f"--model.converters nvfp4 does not combine with --parallelism.tensor_parallel_degree {tp}: "
+                        f"its per-tensor scales need each tensor's whole amax, which a TP shard does not hold. Use "
+                        f"data parallel (FSDP) instead, or --model.converters mx.")
+    return problems
+
+
+def blackwell_problem(converter: str, blocks: str, accelerator: Accelerator) -> str | None:
+    """The problem with running `--model.converters converter` natively on `accelerator`, whose block-scaled
+    (`blocks`) matmuls need Blackwell, or None where they run."""
     if accelerator.is_cuda and accelerator.capability >= MX_MIN_CAPABILITY:
         return None
     or_simulate = ", or dry-run with --estimate.gpu B200" if accelerator.simulated else ""
-    return (f"--model.converters mx runs natively only on NVIDIA GPUs with compute capability 10.0 or newer "
-            f"(Blackwell: B200, GB200, B300), whose tensor cores multiply MX blocks; {accelerator.describe()}. Add "
-            f"--mx.emulate to run the same MX quantization with high-precision matmuls (correct numerics, no "
-            f"speed-up){or_simulate}.")
+    return (f"--model.converters {converter} runs natively only on NVIDIA GPUs with compute capability 10.0 or newer "
+            f"(Blackwell: B200, GB200, B300), whose tensor cores multiply {blocks} blocks; {accelerator.describe()}. "
+            f"Add --{converter}.emulate to run the same {blocks} quantization with high-precision matmuls (correct "
+            f"numerics, no speed-up){or_simulate}.")
+
+
+def check_nvfp4_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if "nvfp4" not in cfg.model.converters or cfg.nvfp4.emulate:
+        return None
+    return blackwell_problem("nvfp4", "NVFP4", accelerator)
+
+
+def check_mx_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    if "mx" not in cfg.model.converters or cfg.mx.emulate:
+        return None
+    return blackwell_problem("mx", "MX", accelerator)
 
 
 def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
@@ -750,16 +812,17 @@ def largest_divisor_at_most(limit: int, *sizes: int) -> int:
 
 RULES: tuple[Rule, ...] = (
     check_flavor, check_mixture_of_experts, check_tied_embeddings, check_multi_token_prediction, check_seq_len,
-    check_global_batch, check_converters, check_converter_filters, check_tokenizer_path, check_dataset_path,
-    check_dump_folder, check_lr_multipliers, check_wandb_installed, check_degree_product, check_pipeline_split_points,
-    check_pipeline_stages, check_pipeline_microbatches, check_context_parallel, check_tensor_parallel_shapes,
-    check_selective_ac_option, check_float8_all_gather, check_checkpoint, check_spike_rollback, check_time_limit,
-    check_mixture, check_mixture_paths, check_validation_dataset_path, check_validation_pipeline,
-    check_validation_seq_len,
+    check_global_batch, check_converters, check_converter_filters, check_nvfp4, check_tokenizer_path,
+    check_dataset_path, check_dump_folder, check_lr_multipliers, check_wandb_installed, check_degree_product,
+    check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_context_parallel,
+    check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather, check_checkpoint,
+    check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths, check_validation_dataset_path,
+    check_validation_pipeline, check_validation_seq_len,
 )
 HARDWARE_RULES: tuple[HardwareRule, ...] = (
     check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,
-    check_float8_tokens, check_mx_hardware, check_flex_attention_device, check_pinned_memory_checkpoint,
+    check_float8_tokens, check_float8_experts_hardware, check_mx_hardware, check_nvfp4_hardware,
+    check_flex_attention_device, check_pinned_memory_checkpoint,
 )
 
 

@@ -36,7 +36,7 @@ class OpCost:
     bytes: int
     """Bytes of the op's tensor inputs plus outputs on this rank."""
     precision: str
-    """Dtype class of a matmul's inputs: "bf16" (fp16 counts the same), "fp32" or "fp8"."""
+    """Dtype class of a matmul's inputs: "bf16" (fp16 counts the same), "fp32", "fp8" (MX included) or "fp4"."""
     attention: bool = False
     """A fused attention kernel, whose FLOPs run at GPUSpec.attention_efficiency rather than the matmuls' share."""
 
@@ -59,6 +59,8 @@ class GPUSpec:
     peak_bf16_flops: float
     """Dense bf16 tensor-core FLOP/s."""
     peak_fp8_flops: float
+    peak_fp4_flops: float
+    """Dense FP4 (NVFP4) tensor-core FLOP/s; 0 where the GPU has no FP4 matmuls (Hopper)."""
     peak_tf32_flops: float
     """What fp32 matmuls get: TF32 tensor cores, as torch uses with high matmul precision."""
     hbm_bytes: float
@@ -85,20 +87,21 @@ ATTENTION_EFFICIENCY = 0.45
 HBM_EFFICIENCY = 0.87
 
 
-def _gpu(name: str, hbm_bytes: float, hbm_bandwidth: float, nvlink_bandwidth: float) -> GPUSpec:
+def _gpu(name: str, hbm_bytes: float, hbm_bandwidth: float, nvlink_bandwidth: float, has_fp4: bool) -> GPUSpec:
     """Spec with the bf16 peak from metrics/throughput.py (one place for it); fp8 is 2x dense bf16 on Hopper and
-    Blackwell (datasheets), and TF32 half of bf16."""
+    Blackwell, dense FP4 4x on Blackwell (B200: 9 PFLOP/s dense FP4, 4.5 FP8, 2.25 bf16; datasheets), and TF32 half
+    of bf16."""
     bf16 = dict(PEAK_BF16_FLOPS)[name]
-    return GPUSpec(name, bf16, 2 * bf16, bf16 / 2, hbm_bytes, hbm_bandwidth, nvlink_bandwidth,
-                   MATMUL_EFFICIENCY, ATTENTION_EFFICIENCY, HBM_EFFICIENCY)
+    return GPUSpec(name, bf16, 2 * bf16, 4 * bf16 if has_fp4 else 0.0, bf16 / 2, hbm_bytes, hbm_bandwidth,
+                   nvlink_bandwidth, MATMUL_EFFICIENCY, ATTENTION_EFFICIENCY, HBM_EFFICIENCY)
 
 
 # Memory and link figures from NVIDIA's datasheets (SXM parts). torch reports ~79.1 GiB usable on an 80 GB H100.
 # B200: 180 GB, as DGX B200 lists 1,440 GB for 8 GPUs. NVLink 4 moves 900 GB/s both ways (450 each), NVLink 5 1.8 TB/s.
 GPUS: dict[str, GPUSpec] = {
-    "H100": _gpu("H100", hbm_bytes=80e9, hbm_bandwidth=3.35e12, nvlink_bandwidth=450e9),
-    "H200": _gpu("H200", hbm_bytes=141e9, hbm_bandwidth=4.8e12, nvlink_bandwidth=450e9),
-    "B200": _gpu("B200", hbm_bytes=180e9, hbm_bandwidth=8e12, nvlink_bandwidth=900e9),
+    "H100": _gpu("H100", hbm_bytes=80e9, hbm_bandwidth=3.35e12, nvlink_bandwidth=450e9, has_fp4=False),
+    "H200": _gpu("H200", hbm_bytes=141e9, hbm_bandwidth=4.8e12, nvlink_bandwidth=450e9, has_fp4=False),
+    "B200": _gpu("B200", hbm_bytes=180e9, hbm_bandwidth=8e12, nvlink_bandwidth=900e9, has_fp4=True),
 }
 
 
@@ -114,10 +117,10 @@ class Network:
 
 def _peak(precision: str, gpu: GPUSpec) -> float:
     peaks = {"bf16": gpu.peak_bf16_flops, "fp16": gpu.peak_bf16_flops, "fp8": gpu.peak_fp8_flops,
-             "fp32": gpu.peak_tf32_flops}
-    if precision not in peaks:
-        raise ValueError(f"OpCost.precision {precision!r} is not one of {sorted(peaks)}. Record the dtype class "
-                         f"of the matmul's inputs.")
+             "fp4": gpu.peak_fp4_flops, "fp32": gpu.peak_tf32_flops}
+    if precision not in peaks or not peaks[precision]:
+        raise ValueError(f"OpCost.precision {precision!r} is not one of {sorted(peaks)} with a peak on {gpu.name}. "
+                         f"Record the dtype class of the matmul's inputs.")
     return peaks[precision]
 
 

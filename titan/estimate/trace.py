@@ -57,6 +57,9 @@ FUNCTIONAL_COLLECTIVES = {
 }
 
 GROUPED_MM = aten._grouped_mm.default
+SCALED_GROUPED_MM = aten._scaled_grouped_mm.default
+# torch.nn.functional.scaled_mm's op (NVFP4's block-scaled matmuls), which torch's FLOP table lacks.
+SCALED_MM_V2 = aten._scaled_mm_v2.default
 # Fused attention kernels: forward and backward of SDPA's flash (CPU and CUDA), memory-efficient and cuDNN kernels.
 # Their FLOPs are counted here, as the work the kernel does (a causal kernel skips the masked half; torch's FLOP table
 # has no CPU kernels and counts causal kernels whole), and they are timed at the roofline's attention efficiency
@@ -94,9 +97,10 @@ def argument(func: torch._ops.OpOverload, args: tuple, kwargs: dict, name: str) 
 
 
 def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> float:
-    """FLOPs of torch._grouped_mm (a mixture of experts' matmuls), which torch's FLOP table lacks: every output
-    element is a dot product over the contracted dimension, except when two 2-D operands give one (in, out) matrix
-    per group (an expert's weight gradient), where each group contracts only its own block of rows."""
+    """FLOPs of torch._grouped_mm and torch._scaled_grouped_mm (a mixture of experts' matmuls, in high or low
+    precision), which torch's FLOP table lacks: every output element is a dot product over the contracted dimension,
+    except when two 2-D operands give one (in, out) matrix per group (an expert's weight gradient), where each group
+    contracts only its own block of rows."""
     if a.dim() == 2 and b.dim() == 2:
         return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
     return 2.0 * out.numel() * a.shape[-1]
@@ -104,8 +108,10 @@ def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> flo
 
 def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> float:
     """The op's FLOPs from torch's FLOP table (matmuls), with fused attention and grouped matmuls added."""
-    if func is GROUPED_MM:
+    if func is GROUPED_MM or func is SCALED_GROUPED_MM:
         return grouped_mm_flops(args[0], args[1], out)
+    if func is SCALED_MM_V2:
+        return 2.0 * out.numel() * contracted_size(args[0])
     if func in ATTENTION_FORWARD or func in ATTENTION_BACKWARD:
         query, key = argument(func, args, kwargs, "query"), argument(func, args, kwargs, "key")
         forward = attention_flops(query, key, causal=bool(argument(func, args, kwargs, "is_causal")))
@@ -115,10 +121,17 @@ def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object
     return float(counter(*args, **kwargs, out_val=out)) if counter is not None else 0.0
 
 
+def contracted_size(a: torch.Tensor) -> int:
+    """The contraction size of a matmul's left operand (M, K): K, of which a float4_e2m1fn_x2 element holds two."""
+    return a.shape[-1] * (2 if a.dtype == torch.float4_e2m1fn_x2 else 1)
+
+
 def precision_class(tensor: torch.Tensor) -> str:
     """The roofline's dtype class of a matmul input."""
     if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return "fp8"
+    if tensor.dtype == torch.float4_e2m1fn_x2:
+        return "fp4"
     return "fp32" if tensor.dtype == torch.float32 else "bf16"
 
 

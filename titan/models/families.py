@@ -22,9 +22,10 @@ def family_of(args: DecoderArgs) -> ModelFamily:
                      f"titan/models/families.py (docs/models.md).")
 
 
-def linear_fqns(family: str, flavor: str) -> list[str]:
-    """FQNs of the linear layers of a flavor, from a build on the meta device (no memory, milliseconds even for the
-    largest): what a converter's --*.filter_fqns entries are matched against."""
+def module_fqns(family: str, flavor: str, kind: type[nn.Module]) -> list[str]:
+    """FQNs of the `kind` modules of a flavor, from a build on the meta device (no memory, milliseconds even for the
+    largest): what a converter's --*.filter_fqns entries (nn.Linear) and --*.moe_fqns_prototype entries
+    (GroupedExperts) are matched against."""
     with torch.device("meta"):
         model = FAMILIES[family].model(FAMILIES[family].flavors[flavor])
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return [name for name, module in model.named_modules() if isinstance(module, kind)]

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan.metrics.log import logger
-from titan.models.common.moe import GroupedExperts, grouped_swiglu, host_counts
+from titan.models.common.moe import GroupedExperts, host_counts
 
 
 class ExpertParallelExperts(GroupedExperts):
@@ -23,6 +23,7 @@ class ExpertParallelExperts(GroupedExperts):
         nn.Module.__init__(self)
         self.num_experts = experts.num_experts
         self.valueless = experts.valueless
+        self.swiglu = experts.swiglu  # a converter's low-precision matmuls stay (each rank runs its own experts')
         self.ep_mesh = ep_mesh
         for name in ("w1", "w2", "w3"):
             weight = getattr(experts, name)
@@ -51,7 +52,7 @@ class ExpertParallelExperts(GroupedExperts):
         # weights' gradients are (FSDP's gradient_divide_factor would do it in the reduction, but gloo has no
         # PREMUL_SUM).
         weights = [scale_gradient(weight.to_local(), 1 / ep) for weight in (self.w1, self.w2, self.w3)]
-        outputs = grouped_swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights, self.valueless)
+        outputs = self.swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights)
         unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs)  # back to (source rank, expert) order
         return all_to_all_single_autograd(unsorted, send_splits, receive_splits, group=group)
 

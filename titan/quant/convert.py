@@ -1,20 +1,25 @@
-"""Model converters: swap eligible nn.Linear layers for low-precision ones, report why each layer was converted or
-kept, and say what the converted model needs at each step. A layer a recipe cannot handle is skipped here, with its
-reason, never left to fail inside a kernel."""
+"""Model converters: swap eligible nn.Linear layers for low-precision ones and give eligible mixture-of-experts
+experts low-precision grouped matmuls, report why each layer was converted or kept, and say what the converted model
+needs at each step. A layer a recipe cannot handle is skipped here, with its reason, never left to fail inside a
+kernel."""
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from torch import nn
 
 from titan.config.errors import ConfigError
-from titan.config.job import MX, Float8
+from titan.config.job import MX, NVFP4, Float8
 from titan.metrics.log import logger
-from titan.models.common.moe import GroupedExperts
+from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU, MoE, moe_layers
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
+from titan.quant.float8.grouped import FLOAT8_GROUP_ALIGNMENT, Float8ExpertSwiGLU
 from titan.quant.float8.linear import Float8Linear
-from titan.quant.formats import MX_BLOCK_SIZE
+from titan.quant.formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE
+from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertSwiGLU
 from titan.quant.mx.linear import MXLinear
+from titan.quant.nvfp4.linear import NVFP4Linear
 
 # A mixture of experts' router (titan/models/common/moe.py Router.gate): kept in high precision whatever the recipe.
 ROUTER_SUFFIX = ".router.gate"
@@ -39,6 +44,11 @@ class LayerDecision:
     result: str
     """What happened: the recipe it was converted to, or why it was kept in high precision."""
     converted: bool
+    num_experts: int = 0
+    """For a mixture of experts' experts: how many experts of out_features (hidden) x in_features (dim) SwiGLU
+    weights; 0 for a linear."""
+    flops_per_token: int = 0
+    """Multiply-adds of its forward matmuls per token: in x out for a linear, top_k x 3 x dim x hidden for experts."""
 
 
 def filter_reason(fqn: str, filter_fqns: list[str], flag: str) -> str | None:
@@ -80,6 +90,67 @@ def mx_skip_reason(fqn: str, linear: nn.Linear, cfg: MX, tp_degree: int) -> str 
     return None
 
 
+def last_blocks(model: nn.Module, fraction: float) -> set[str]:
+    """The FQN prefixes ("layers.<i>.") of the last ceil(n_layers x fraction) blocks of `model` (none without a
+    `layers` dict): torchtitan's rule for the blocks NVFP4 leaves in high precision."""
+    names = list(getattr(model, "layers", {}))
+    kept = math.ceil(len(names) * fraction)
+    return {f"layers.{name}." for name in names[len(names) - kept:]} if kept else set()
+
+
+def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[str]) -> str | None:
+    """Why `linear` must stay in high precision under `cfg`, or None if it converts; `kept_blocks`: last_blocks."""
+    out_features, in_features = linear.weight.shape
+    filtered = filter_reason(fqn, cfg.filter_fqns, "--nvfp4.filter_fqns")
+    if filtered:
+        return filtered
+    if any(fqn.startswith(prefix) for prefix in kept_blocks):
+        return (f"skipped: one of the last {len(kept_blocks)} blocks (--nvfp4.high_precision_last_blocks_fraction "
+                f"{cfg.high_precision_last_blocks_fraction})")
+    # Both dims are some matmul's contraction dim, in blocks of 16, and the weight is quantized in 16 x 16 tiles.
+    if out_features % NVFP4_BLOCK_SIZE or in_features % NVFP4_BLOCK_SIZE:
+        return f"skipped: {out_features}x{in_features} not divisible by the NVFP4 block size {NVFP4_BLOCK_SIZE}"
+    return None
+
+
+def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], flag: str,
+                       alignment: int) -> str | None:
+    """Why `experts` must stay in high precision, or None if they convert: they are not named by `flag`
+    (`moe_fqns`), or their dim and hidden size are not multiples of the recipe's `alignment` (both are contracted,
+    dim by w1 and w3, hidden by w2)."""
+    if not any(pattern in fqn for pattern in moe_fqns):
+        return f"skipped: not matched by {flag}" + (f" {' '.join(moe_fqns)}" if moe_fqns else " (empty)")
+    _, hidden, dim = experts.w1.shape
+    if hidden % alignment or dim % alignment:
+        return f"skipped: {hidden}x{dim} not divisible by {alignment} (the grouped kernels need it)"
+    return None
+
+
+def convert_experts(model: nn.Module, skip_reason: Callable[[str, GroupedExperts], str | None],
+                    swiglu: ExpertSwiGLU, result: str) -> list[LayerDecision]:
+    """Give the experts of every MoE layer that `skip_reason` keeps (returns None for) the grouped matmuls `swiglu`;
+    experts an earlier converter took are left alone."""
+    decisions = []
+    for fqn, moe in high_precision_experts(model).items():
+        reason = skip_reason(f"{fqn}.experts", moe.experts)
+        if reason is None:
+            moe.experts.swiglu = swiglu
+        decisions.append(expert_decision(fqn, moe, reason or result, converted=reason is None))
+    return decisions
+
+
+def high_precision_experts(model: nn.Module) -> dict[str, MoE]:
+    """The MoE layers of `model` whose experts no converter has taken yet, by FQN."""
+    return {fqn: moe for fqn, moe in moe_layers(model).items() if isinstance(moe.experts.swiglu, HighPrecisionSwiGLU)}
+
+
+def expert_decision(fqn: str, moe: MoE, result: str, converted: bool) -> LayerDecision:
+    """The report's row for the experts of the MoE layer `moe` at `fqn`."""
+    num_experts, hidden, dim = moe.experts.w1.shape
+    return LayerDecision(f"{fqn}.experts", hidden, dim, result, converted, num_experts=num_experts,
+                         flops_per_token=moe.top_k * 3 * hidden * dim)
+
+
 def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str | None],
                  build: Callable[[nn.Linear], nn.Linear], result: str) -> list[LayerDecision]:
     """Replace every plain nn.Linear of `model` that `skip_reason` keeps (returns None for) with build(linear);
@@ -93,35 +164,74 @@ def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str |
         if reason is None:
             parent_fqn, _, name = fqn.rpartition(".")
             setattr(model.get_submodule(parent_fqn), name, build(module))
-        decisions.append(LayerDecision(fqn, out_features, in_features, reason or result, converted=reason is None))
+        decisions.append(LayerDecision(fqn, out_features, in_features, reason or result, converted=reason is None,
+                                       flops_per_token=out_features * in_features))
     return decisions
 
 
 def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
-    """Swap every eligible nn.Linear of `model` for a Float8Linear in place; one decision per linear."""
-    return swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg),
-                        lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name,
-                                                                emulate=cfg.emulate),
-                        f"float8 {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}")
+    """Swap every eligible nn.Linear of `model` for a Float8Linear and give eligible experts float8 grouped
+    matmuls, in place; one decision per linear and per MoE layer's experts."""
+    emulated = " (emulated)" if cfg.emulate else ""
+    linears = swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg),
+                           lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name,
+                                                                   emulate=cfg.emulate),
+                           f"float8 {cfg.recipe_name}{emulated}")
+    experts = convert_experts(
+        model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
+                                                       "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT),
+        Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate),
+        f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}{emulated}")
+    return linears + experts
 
 
 def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
-    """Swap every eligible nn.Linear of `model` for an MXLinear in place; one decision per linear."""
-    return swap_linears(model, lambda fqn, linear: mx_skip_reason(fqn, linear, cfg, tp_degree),
-                        lambda linear: MXLinear.from_linear(linear, recipe_name=cfg.recipe_name, emulate=cfg.emulate),
-                        f"mx {cfg.recipe_name}{' (emulated)' if cfg.emulate else ''}")
+    """Swap every eligible nn.Linear of `model` for an MXLinear and give eligible experts MXFP8 grouped matmuls, in
+    place; one decision per linear and per MoE layer's experts."""
+    emulated = " (emulated)" if cfg.emulate else ""
+    linears = swap_linears(model, lambda fqn, linear: mx_skip_reason(fqn, linear, cfg, tp_degree),
+                           lambda linear: MXLinear.from_linear(linear, recipe_name=cfg.recipe_name,
+                                                               emulate=cfg.emulate),
+                           f"mx {cfg.recipe_name}{emulated}")
+    experts = convert_experts(
+        model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
+                                                       "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT),
+        MXExpertSwiGLU(cfg.emulate),
+        f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
+    return linears + experts
+
+
+def apply_nvfp4(model: nn.Module, cfg: NVFP4) -> list[LayerDecision]:
+    """Swap every eligible nn.Linear of `model` for an NVFP4Linear in place; one decision per linear, and one per
+    MoE layer's experts, which stay in high precision."""
+    kept_blocks = last_blocks(model, cfg.high_precision_last_blocks_fraction)
+    linears = swap_linears(model, lambda fqn, linear: nvfp4_skip_reason(fqn, linear, cfg, kept_blocks),
+                           lambda linear: NVFP4Linear.from_linear(linear, emulate=cfg.emulate),
+                           f"nvfp4{' (emulated)' if cfg.emulate else ''}")
+    # torchao 0.18 has no NVFP4 grouped training recipe to match (its grouped NVFP4 matmuls are forward-only).
+    kept = ("skipped: no NVFP4 grouped-matmul training recipe (torchao 0.18 has none); --model.converters mx or "
+            "float8 convert experts")
+    return linears + [expert_decision(fqn, moe, kept, converted=False)
+                      for fqn, moe in high_precision_experts(model).items()]
 
 
 def check_disjoint_converters(model: nn.Module, float8: Float8, mx: MX, tp_degree: int) -> None:
-    """Raise a ConfigError naming the linears that float8 and mx would both convert: a layer takes one recipe."""
+    """Raise a ConfigError naming the linears and experts that float8 and mx would both convert: a layer takes one
+    recipe."""
     both = [fqn for fqn, module in model.named_modules() if type(module) is nn.Linear
             and float8_skip_reason(fqn, module, float8) is None and mx_skip_reason(fqn, module, mx, tp_degree) is None]
+    both += [f"{fqn}.experts" for fqn, moe in moe_layers(model).items()
+             if expert_skip_reason(f"{fqn}.experts", moe.experts, float8.moe_fqns_prototype, "",
+                                   FLOAT8_GROUP_ALIGNMENT) is None
+             and expert_skip_reason(f"{fqn}.experts", moe.experts, mx.moe_fqns_prototype, "",
+                                    MX_GROUP_ALIGNMENT) is None]
     if both:
         shown = ", ".join(both[:4]) + (f" and {len(both) - 4} more" if len(both) > 4 else "")
         raise ConfigError([f"--model.converters float8 and mx would both convert {len(both)} linear layers ({shown}). "
                            f"Each layer takes one recipe: add FQN substrings to --float8.filter_fqns or "
                            f"--mx.filter_fqns so that they split the layers, e.g. --float8.filter_fqns output "
-                           f"feed_forward --mx.filter_fqns output attention."])
+                           f"feed_forward --mx.filter_fqns output attention, and give the experts to one of them "
+                           f"(--float8.moe_fqns_prototype or --mx.moe_fqns_prototype with no value for the other)."])
 
 
 def merge_decisions(decisions: list[LayerDecision]) -> list[LayerDecision]:
@@ -136,23 +246,27 @@ def merge_decisions(decisions: list[LayerDecision]) -> list[LayerDecision]:
     return list(by_fqn.values())
 
 
-def experts_note(model: nn.Module) -> str:
-    """The report's line on a mixture of experts' experts, which are stacked weights rather than linears: they stay
-    in high precision (no grouped low-precision matmul here yet)."""
-    experts = [fqn for fqn, module in model.named_modules() if isinstance(module, GroupedExperts)]
-    if not experts:
-        return ""
-    return (f"\nThe experts of {len(experts)} MoE layers ({experts[0]}, ...) stay in high precision: grouped "
-            f"expert matmuls have no float8 or MX recipe here.")
-
-
 def format_report(decisions: list[LayerDecision]) -> str:
-    """The conversion report as a table: one row per linear layer."""
+    """The conversion report as a table: one row per linear layer and per MoE layer's experts (experts x out x in),
+    and the share of the weight matmuls' FLOPs per token that runs in low precision (attention's score matmuls have
+    no weights: they stay in high precision and out of the share)."""
+    def shape(d: LayerDecision) -> str:
+        sizes = f"{d.out_features}x{d.in_features}"
+        return f"{d.num_experts}x{sizes}" if d.num_experts else sizes
+
     width = max([len(d.fqn) for d in decisions] + [5])
-    lines = [f"{'layer':<{width}}  {'out x in':>13}  result"]
-    lines += [f"{d.fqn:<{width}}  {f'{d.out_features}x{d.in_features}':>13}  {d.result}" for d in decisions]
-    converted = sum(d.converted for d in decisions)
-    lines.append(f"{converted} of {len(decisions)} linear layers converted")
+    shape_width = max([len(shape(d)) for d in decisions] + [8])
+    lines = [f"{'layer':<{width}}  {'out x in':>{shape_width}}  result"]
+    lines += [f"{d.fqn:<{width}}  {shape(d):>{shape_width}}  {d.result}" for d in decisions]
+    linears = [d for d in decisions if not d.num_experts]
+    experts = [d for d in decisions if d.num_experts]
+    summary = f"{sum(d.converted for d in linears)} of {len(linears)} linear layers converted"
+    if experts:
+        summary += f", and the experts of {sum(d.converted for d in experts)} of {len(experts)} MoE layers"
+    low_precision = sum(d.flops_per_token for d in decisions if d.converted)
+    share = 100 * low_precision / sum(d.flops_per_token for d in decisions)
+    per_token = " (a token's top_k experts' among them)" if experts else ""
+    lines.append(f"{summary}: {share:.1f}% of the weight matmuls' FLOPs per token{per_token} run in low precision")
     return "\n".join(lines)
 
 
@@ -172,7 +286,7 @@ class Conversion:
             precompute_float8_scales(model)
 
 
-def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx: MX, tp_degree: int,
+def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx: MX, nvfp4: NVFP4, tp_degree: int,
                      fsdp_enabled: bool, print_after_conversion: bool) -> Conversion:
     """Run each converter named in --model.converters on `model` (on the meta device) and log the report. With
     `fsdp_enabled` and --float8.enable_fsdp_float8_all_gather, FSDP (applied later) all-gathers the float8 weights
@@ -184,9 +298,11 @@ def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx
         decisions += apply_float8(model, float8)
     if "mx" in converters:
         decisions += apply_mx(model, mx, tp_degree)
+    if "nvfp4" in converters:
+        decisions += apply_nvfp4(model, nvfp4)
     decisions = merge_decisions(decisions)
     if decisions:
-        logger.info(f"Model conversion report:\n{format_report(decisions)}{experts_note(model)}")
+        logger.info(f"Model conversion report:\n{format_report(decisions)}")
     float8_all_gather = "float8" in converters and float8.enable_fsdp_float8_all_gather and fsdp_enabled
     if float8_all_gather:
         apply_float8_all_gather(model)

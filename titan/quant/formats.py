@@ -1,5 +1,6 @@
-"""Facts about the low-precision formats that the casts, the Triton kernels, the MX numerics and the converter all
-use: the float8 dtypes and their bit layout, the amax floor of dynamic scaling, and the MX block and E8M0 scale.
+"""Facts about the low-precision formats that the casts, the Triton kernels, the MX and NVFP4 numerics and the
+converter all use: the float8 dtypes and their bit layout, the amax floor of dynamic scaling, the MX block and E8M0
+scale, and the NVFP4 block and its E2M1 elements.
 
 It imports nothing from titan, so titan/quant's layers import one way:
 formats <- kernels <- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter.
@@ -22,6 +23,13 @@ MX_BLOCK_SIZE = 32
 """Elements per shared scale: the MX spec's block size k for every concrete MX format."""
 E8M0_NAN = 0xFF
 """The E8M0 code that is NaN; every other code c stands for the scale 2**(c - 127) (MX spec section 5.4)."""
+
+NVFP4_BLOCK_SIZE = 16
+"""Elements per E4M3 block scale in NVFP4, along the matmul's contraction dim; also the side of the 16x16 weight
+tiles and the length of the random Hadamard transform of torchao's (and NVIDIA's) NVFP4 training recipe."""
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The magnitudes of FP4 E2M1 (NVFP4's element), indexed by the 3 low bits of its code; bit 3 is the sign."""
+E2M1_MAX = E2M1_VALUES[-1]
 
 
 @dataclass(frozen=True)

@@ -346,7 +346,7 @@ def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, famil
     logger.info(family.describe(cfg.model.flavor, args, model))
     fqns = frozenset(model.state_dict())  # parameters and persistent buffers (a router's expert bias)
     flops = family.flops_per_token(args, model, cfg.training.seq_len)
-    conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, dims.tp,
+    conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, cfg.nvfp4, dims.tp,
                                   fsdp_enabled=dims.dp_enabled, print_after_conversion=cfg.model.print_after_conversion)
     if dims.pp_enabled:
         # The residual stream crosses stages in FSDP's compute dtype; autocast without FSDP keeps it float32.

@@ -9,7 +9,7 @@ exchange those blocks between ranks (expert parallel replaces `moe.experts`); th
 """
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -105,6 +105,25 @@ def host_counts(counts: Tensor, total: int, valueless: bool) -> list[int] | list
     return counts.tolist()
 
 
+class ExpertSwiGLU(Protocol):
+    """How GroupedExperts run their grouped SwiGLU: x (tokens, dim) sorted by expert with counts (num_experts,), and
+    the stacked weights w1, w3 (experts, hidden, dim) and w2 (experts, dim, hidden) -> (tokens, dim). A model converter
+    (titan/quant) swaps in a low-precision one; expert parallel keeps whichever the experts had."""
+
+    def __call__(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class HighPrecisionSwiGLU:
+    """The experts' matmuls in the weights' (or autocast's) dtype: grouped_swiglu."""
+
+    valueless: bool = False
+    """MoEArgs.valueless"""
+
+    def __call__(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        return grouped_swiglu(x, counts, w1, w2, w3, self.valueless)
+
+
 class GroupedExperts(nn.Module):
     """num_experts SwiGLU experts as three stacked weight tensors (one matmul per weight over every expert)."""
 
@@ -112,13 +131,17 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.valueless = valueless
+        self.swiglu: ExpertSwiGLU = HighPrecisionSwiGLU(valueless)
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (tokens, dim) sorted by expert, counts (num_experts,): each expert's rows -> (tokens, dim)."""
-        return grouped_swiglu(x, counts, self.w1, self.w2, self.w3, self.valueless)
+        return self.swiglu(x, counts, self.w1, self.w2, self.w3)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, swiglu={self.swiglu}"
 
 
 class Router(nn.Module):

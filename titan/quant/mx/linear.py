@@ -23,27 +23,12 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
+from titan.quant.mx.blocked import to_blocked
 from titan.quant.mx.numerics import dequantize, quantize_codes
 from titan.quant.quantized_linear import QuantizedLinear
 
 RECIPES = ("mxfp8",)
 """MX recipes: mxfp8 = E4M3 elements in all three matmuls, blocks of 32, E8M0 scales."""
-
-SCALE_TILE = (128, 4)
-"""cuBLAS's block-scaled GEMMs read scales in tiles of 128 rows x 4 scale columns, each tile 512 contiguous bytes."""
-
-
-def to_blocked(codes: Tensor) -> Tensor:
-    """Scales (rows, K / 32) laid out as cuBLAS's block-scaled GEMMs read them ("1D block scaling factors layout",
-    cuBLAS docs): padded to whole 128 x 4 tiles, tiles in row-major order, and inside a tile the scale of row r and
-    column c at byte (r % 32) * 16 + (r // 32) * 4 + c. Returns the flat uint8 buffer."""
-    rows, cols = codes.shape
-    tile_rows, tile_cols = SCALE_TILE
-    padded = F.pad(codes, (0, -cols % tile_cols, 0, -rows % tile_rows))
-    num_row_tiles, num_col_tiles = padded.shape[0] // tile_rows, padded.shape[1] // tile_cols
-    # row = tile_row * 128 + (r // 32) * 32 + r % 32 and col = tile_col * 4 + c
-    tiles = padded.view(num_row_tiles, 4, 32, num_col_tiles, tile_cols)  # (tile_row, r // 32, r % 32, tile_col, c)
-    return tiles.permute(0, 3, 2, 1, 4).flatten()  # (tile_row, tile_col, r % 32, r // 32, c)
 
 
 def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tensor, out_dtype: torch.dtype) -> Tensor:

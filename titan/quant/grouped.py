@@ -1,0 +1,95 @@
+"""What the low-precision expert matmuls share: padding each expert's block of tokens to the kernels' alignment, the
+grouped SwiGLU that runs a recipe's grouped matmul on the padded blocks, and the high-precision grouped matmul that
+emulated recipes multiply their dequantized operands with.
+
+Tokens arrive sorted by expert (titan/models/common/moe.py): expert e's counts[e] rows, then expert e + 1's. Scaled
+grouped kernels need every block to start at a multiple of the alignment (16 rows for float8, 32 for MX, whose
+weight-gradient blocks of 32 run along the tokens and must not span two experts). So each block is copied to a
+zero-padded layout whose blocks start at multiples of the alignment; zero rows change no amax, quantize to zero and
+add nothing to any product, so padding changes no number of the result. The layout is sized by an upper bound, not
+by reading the counts on the host, so a step never waits for the device here.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from titan.models.common.moe import grouped_mm_supported, matmul_dtype
+
+
+@dataclass(frozen=True)
+class PaddedGroups:
+    """Where each token row goes in the padded layout, and that layout's expert blocks."""
+
+    rows: Tensor
+    """(tokens,) int64: the padded row of each token row."""
+    offsets: Tensor
+    """(experts,) int32: where each expert's padded block ends (torch._grouped_mm's offs)."""
+    expert_of_row: Tensor
+    """(num_rows,) int64: each padded row's expert; num_experts for the rows after the last block."""
+    num_rows: int
+    """Rows of the padded layout: tokens + experts x (alignment - 1), rounded up to the alignment. Rows after the
+    last block belong to no expert: the kernels leave them undefined, so a recipe's grouped matmul sets them to
+    zero before any cast of a whole tensor reads them."""
+
+    def pad(self, x: Tensor) -> Tensor:
+        """x (tokens, dim) -> (num_rows, dim), zeros between the blocks."""
+        return x.new_zeros(self.num_rows, x.size(1)).index_copy(0, self.rows, x)
+
+    def unpad(self, x: Tensor) -> Tensor:
+        """(num_rows, dim) -> (tokens, dim): the token rows, in their original order."""
+        return x.index_select(0, self.rows)
+
+
+def pad_groups(counts: Tensor, num_tokens: int, alignment: int) -> PaddedGroups:
+    """The padded layout of `num_tokens` rows sorted by expert, counts (experts,) of them per expert, with every
+    expert's block starting at a multiple of `alignment`. Computed on the device, without reading counts."""
+    num_experts = counts.size(0)
+    padded_counts = (counts + alignment - 1) // alignment * alignment
+    padded_ends = padded_counts.cumsum(0)
+    shift = (padded_ends - padded_counts) - (counts.cumsum(0) - counts)  # (experts,): padded start - start
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=counts.device), counts,
+                                     output_size=num_tokens)  # (tokens,)
+    rows = torch.arange(num_tokens, device=counts.device) + shift[expert]
+    upper_bound = num_tokens + num_experts * (alignment - 1)
+    num_rows = -(-upper_bound // alignment) * alignment
+    offsets = padded_ends.to(torch.int32)
+    expert_of_row = torch.bucketize(torch.arange(num_rows, device=counts.device, dtype=torch.int32), offsets,
+                                    right=True)
+    return PaddedGroups(rows, offsets, expert_of_row, num_rows)
+
+
+GroupedMatmul = Callable[[Tensor, Tensor, PaddedGroups], Tensor]
+"""A recipe's differentiable grouped matmul: x (rows, in) in the padded layout @ each expert's weight (experts, out,
+in) transposed -> (rows, out)."""
+
+
+def padded_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, grouped_mm: GroupedMatmul,
+                  alignment: int) -> Tensor:
+    """The experts' SwiGLU (titan/models/common/moe.py grouped_swiglu) with `grouped_mm` for its three matmuls, on
+    token blocks padded to `alignment` rows; in autocast's dtype where it is on, as the high-precision experts."""
+    dtype = matmul_dtype(x)
+    x, w1, w2, w3 = (tensor.to(dtype) for tensor in (x, w1, w2, w3))
+    groups = pad_groups(counts, x.size(0), alignment)
+    padded = groups.pad(x)  # (rows, dim)
+    hidden = F.silu(grouped_mm(padded, w1, groups)) * grouped_mm(padded, w3, groups)  # (rows, hidden)
+    return groups.unpad(grouped_mm(hidden, w2, groups))
+
+
+def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """torch._grouped_mm's two layouts in a's dtype, where the op runs for it, else one matmul per group:
+    a (rows, K) @ b (experts, K, N) -> (rows, N), block e of a's rows by b[e]; or a (M, rows) @ b (rows, N) ->
+    (experts, M, N), block e of the contracted rows (a weight gradient). Rows after the last block are left zero
+    (2-D x 3-D) or ignored (2-D x 2-D)."""
+    if grouped_mm_supported(a, valueless=False):
+        return torch._grouped_mm(a, b, offs=offsets)
+    # Emulation where the op does not run (fp32 under compile, GPUs before Hopper) reads the blocks' ends.
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        blocks = [a[start:end] @ b[e] for e, (start, end) in enumerate(zip(starts, ends))]
+        return torch.cat(blocks + [a.new_zeros(a.size(0) - ends[-1], b.size(-1))])
+    return torch.stack([a[:, start:end] @ b[start:end] for start, end in zip(starts, ends)])
