@@ -4,12 +4,15 @@ step of the Qwen3 debug MoE model on one process, expert parallel 2, FSDP 2 and 
     python scripts/bench_moe.py                 # both parts
     python scripts/bench_moe.py --layer         # the experts only
     python scripts/bench_moe.py --steps         # the training steps only
+    python scripts/bench_moe.py --precisions    # the experts in bf16, float8 rowwise and MXFP8 (native on a GPU)
 
 --layer times forward + backward of GroupedExperts over routed tokens (an even routing of tokens x top_k copies),
 torch._grouped_mm against the per-expert loop (the path for devices without grouped matmuls), median of 10 after 3
 warm-ups. --steps runs train.py (fp32, seq_len 256, 4 sequences per step on the whole world, 12 steps) and reports
 the median of steps 3-12 of the slowest rank's step time (metrics.jsonl), so that setup and the first steps'
-allocations stay out.
+allocations stay out. --precisions times forward + backward of the experts of 30B-A3B's shape (16 experts per rank,
+as under EP 8) in bf16 and with the converters' grouped matmuls: native where the GPU has them (float8 from Hopper,
+MX from Blackwell), emulated elsewhere (CPU figures show emulation's cost, not low precision's gain).
 """
 
 import argparse
@@ -27,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan.models.common import moe as moe_module  # noqa: E402
-from titan.models.common.moe import GroupedExperts  # noqa: E402
+from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU  # noqa: E402
+from titan.quant.float8.grouped import Float8ExpertSwiGLU  # noqa: E402
+from titan.quant.mx.grouped import MXExpertSwiGLU  # noqa: E402
 
 # (tokens, dim, experts, top_k, expert hidden): the debug MoE flavor's layer at 4 x 256 tokens, and one of
 # 30B-A3B's shape with fewer experts and tokens, so that it fits a CPU's time.
@@ -51,7 +56,7 @@ def time_experts(tokens: int, dim: int, experts: int, top_k: int, hidden: int, g
     counts = torch.full((experts,), tokens * top_k // experts)
     upstream = torch.randn(tokens * top_k, dim)
     supported = moe_module.grouped_mm_supported
-    moe_module.grouped_mm_supported = (lambda x: supported(x)) if grouped else (lambda x: False)
+    moe_module.grouped_mm_supported = supported if grouped else (lambda x, valueless: False)
     try:
         times = []
         for i in range(13):
@@ -72,6 +77,47 @@ def bench_layer() -> None:
         grouped = time_experts(tokens, dim, experts, top_k, hidden, grouped=True)
         loop = time_experts(tokens, dim, experts, top_k, hidden, grouped=False)
         print(f"{name:<16} {tokens * top_k:>14} {1e3 * grouped:>13.1f} {1e3 * loop:>10.1f} {loop / grouped:>15.2f}")
+
+
+def time_swiglu(swiglu: ExpertSwiGLU, tokens: int, dim: int, experts: int, top_k: int, hidden: int,
+                device: torch.device) -> float:
+    """Median seconds of one forward + backward of `swiglu` over tokens x top_k evenly routed copies, bf16."""
+    torch.manual_seed(0)
+    weights = [(torch.randn(experts, *shape, device=device) * 0.02).bfloat16().requires_grad_()
+               for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
+    x = torch.randn(tokens * top_k, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    counts = torch.full((experts,), tokens * top_k // experts, device=device)
+    upstream = torch.randn_like(x)
+    times = []
+    for i in range(13):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        (swiglu(x, counts, *weights) * upstream).sum().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_precisions() -> None:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    capability = torch.cuda.get_device_capability() if cuda else (0, 0)
+    where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} CPU threads"
+    tokens, dim, experts, top_k, hidden = (8192, 2048, 16, 8, 768) if cuda else (512, 2048, 16, 8, 768)
+    print(f"Experts of 30B-A3B's shape ({experts} experts, dim {dim}, hidden {hidden}) over {tokens} x {top_k} "
+          f"routed tokens, forward + backward, bf16, on {where}, torch {torch.__version__} (median of 10):")
+    swiglus = {"bf16": HighPrecisionSwiGLU(),
+               "float8 rowwise": Float8ExpertSwiGLU("rowwise", emulate=capability < (9, 0)),
+               "mxfp8": MXExpertSwiGLU(emulate=capability < (10, 0))}
+    baseline = None
+    for name, swiglu in swiglus.items():
+        seconds = time_swiglu(swiglu, tokens, dim, experts, top_k, hidden, device)
+        baseline = baseline or seconds
+        emulated = " (emulated)" if getattr(swiglu, "emulate", False) else ""
+        print(f"  {name + emulated:<26} {1e3 * seconds:9.2f} ms  {baseline / seconds:5.2f}x bf16's speed")
 
 
 def step_time(nprocs: int, flags: list[str], folder: Path) -> float:
@@ -99,7 +145,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layer", action="store_true", help="only the experts' matmuls")
     parser.add_argument("--steps", action="store_true", help="only the training steps")
+    parser.add_argument("--precisions", action="store_true", help="only the experts in bf16, float8 and MXFP8")
     cli = parser.parse_args()
+    if cli.precisions:
+        bench_precisions()
+        return
     if cli.layer or not cli.steps:
         bench_layer()
     if cli.steps or not cli.layer:

@@ -151,7 +151,7 @@ def float8_matmuls(recipe_name: str, dtype: torch.dtype) -> dict[str, tuple[Tens
     groups = pad_groups(counts, x.size(0), FLOAT8_GROUP_ALIGNMENT)
     padded_x, padded_grad = groups.pad(x).requires_grad_(), groups.pad(grad)
     weight = weight.clone().requires_grad_()
-    out = Float8GroupedMatmul.apply(padded_x, weight, groups.offsets, groups.expert_of_row, recipe, True)
+    out = Float8GroupedMatmul.apply(padded_x, weight, groups.offsets, groups.expert_of_row, recipe, True, False)
     out.backward(padded_grad)
     ends = groups.offsets.tolist()
 

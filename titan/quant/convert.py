@@ -127,14 +127,14 @@ def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], f
 
 
 def convert_experts(model: nn.Module, skip_reason: Callable[[str, GroupedExperts], str | None],
-                    swiglu: ExpertSwiGLU, result: str) -> list[LayerDecision]:
-    """Give the experts of every MoE layer that `skip_reason` keeps (returns None for) the grouped matmuls `swiglu`;
-    experts an earlier converter took are left alone."""
+                    swiglu: Callable[[bool], ExpertSwiGLU], result: str) -> list[LayerDecision]:
+    """Give the experts of every MoE layer that `skip_reason` keeps (returns None for) the grouped matmuls
+    swiglu(the experts' valueless flag); experts an earlier converter took are left alone."""
     decisions = []
     for fqn, moe in high_precision_experts(model).items():
         reason = skip_reason(f"{fqn}.experts", moe.experts)
         if reason is None:
-            moe.experts.swiglu = swiglu
+            moe.experts.swiglu = swiglu(moe.experts.valueless)
         decisions.append(expert_decision(fqn, moe, reason or result, converted=reason is None))
     return decisions
 
@@ -180,7 +180,7 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
     experts = convert_experts(
         model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
                                                        "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT),
-        Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate),
+        lambda valueless: Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate, valueless),
         f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}{emulated}")
     return linears + experts
 
@@ -196,7 +196,7 @@ def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
     experts = convert_experts(
         model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
                                                        "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT),
-        MXExpertSwiGLU(cfg.emulate),
+        lambda valueless: MXExpertSwiGLU(cfg.emulate),
         f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
     return linears + experts
 

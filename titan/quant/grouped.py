@@ -10,6 +10,7 @@ add nothing to any product, so padding changes no number of the result. The layo
 by reading the counts on the host, so a step never waits for the device here.
 """
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from titan.models.common.moe import grouped_mm_supported, matmul_dtype
+from titan.models.common.moe import grouped_mm_supported, host_counts, matmul_dtype
 
 
 @dataclass(frozen=True)
@@ -79,15 +80,19 @@ def padded_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
     return groups.unpad(grouped_mm(hidden, w2, groups))
 
 
-def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, valueless: bool) -> Tensor:
     """torch._grouped_mm's two layouts in a's dtype, where the op runs for it, else one matmul per group:
     a (rows, K) @ b (experts, K, N) -> (rows, N), block e of a's rows by b[e]; or a (M, rows) @ b (rows, N) ->
     (experts, M, N), block e of the contracted rows (a weight gradient). Rows after the last block are left zero
-    (2-D x 3-D) or ignored (2-D x 2-D)."""
-    if grouped_mm_supported(a, valueless=False):
+    (2-D x 3-D) or ignored (2-D x 2-D). `valueless`: MoEArgs.valueless (the blocks' ends, which the per-group matmuls
+    read on the host, are then an even split of the rows)."""
+    if grouped_mm_supported(a, valueless):
         return torch._grouped_mm(a, b, offs=offsets)
     # Emulation where the op does not run (fp32 under compile, GPUs before Hopper) reads the blocks' ends.
-    ends = offsets.tolist()
+    rows = a.size(0) if b.dim() == 3 else a.size(1)
+    ends = host_counts(offsets, rows, valueless)
+    if valueless:
+        ends = list(itertools.accumulate(ends))
     starts = [0] + ends[:-1]
     if b.dim() == 3:
         blocks = [a[start:end] @ b[e] for e, (start, end) in enumerate(zip(starts, ends))]

@@ -99,23 +99,24 @@ def native_grouped_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, of
                                     out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
-def forward_mm(x: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool) -> Tensor:
+def forward_mm(x: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool, valueless: bool) -> Tensor:
     """x (rows, K) @ weight (E, N, K)^T per expert block -> (rows, N), as float32 (emulated) or bf16 (native)."""
     (x_data, x_scale), (w_data, w_scale) = cast_tokens(x, recipe.output[0]), cast_weights(weight, recipe.output[1], -1)
     if emulate:
         return high_precision_grouped_mm(dequantize(x_data, x_scale), dequantize(w_data, w_scale).transpose(-2, -1),
-                                         offsets)
+                                         offsets, valueless)
     num_experts, n, _ = weight.shape
     return native_grouped_mm(x_data, row_scales(x_scale, x.size(0)), w_data.transpose(-2, -1),
                              expert_scales(w_scale, num_experts, n), offsets)
 
 
-def grad_input_mm(grad: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool) -> Tensor:
+def grad_input_mm(grad: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool,
+                  valueless: bool) -> Tensor:
     """grad (rows, N) @ weight (E, N, K) per expert block -> (rows, K)."""
     (g_data, g_scale) = cast_tokens(grad, recipe.grad_input[0])
     (w_data, w_scale) = cast_weights(weight, recipe.grad_input[1], -2)
     if emulate:
-        return high_precision_grouped_mm(dequantize(g_data, g_scale), dequantize(w_data, w_scale), offsets)
+        return high_precision_grouped_mm(dequantize(g_data, g_scale), dequantize(w_data, w_scale), offsets, valueless)
     num_experts, _, k = weight.shape
     w_column_major = w_data.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), strides (N K, 1, N)
     return native_grouped_mm(g_data, row_scales(g_scale, grad.size(0)), w_column_major,
@@ -123,16 +124,17 @@ def grad_input_mm(grad: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe,
 
 
 def grad_weight_mm(grad: Tensor, x: Tensor, groups: tuple[Tensor, Tensor], num_experts: int, recipe: Recipe,
-                   emulate: bool) -> Tensor:
+                   emulate: bool, valueless: bool) -> Tensor:
     """grad^T (N, rows) @ x (rows, K) over each expert's block of rows -> (E, N, K)."""
     offsets, expert_of_row = groups
     if recipe.grad_weight is None:
-        return high_precision_grouped_mm(grad.t(), x, offsets)
+        return high_precision_grouped_mm(grad.t(), x, offsets, valueless)
     g_data, g_scale = cast_expert_columns(grad, recipe.grad_weight[0], expert_of_row, num_experts)
     x_data, x_scale = cast_expert_columns(x, recipe.grad_weight[1], expert_of_row, num_experts)
     if emulate:
         return high_precision_grouped_mm(dequantize(g_data, scale_of_rows(g_scale, expert_of_row)).t(),
-                                         dequantize(x_data, scale_of_rows(x_scale, expert_of_row)), offsets)
+                                         dequantize(x_data, scale_of_rows(x_scale, expert_of_row)), offsets,
+                                         valueless)
     n, k = grad.size(1), x.size(1)
     # The kernel takes one scale per column of each expert's rows, expert-major: (experts * N,) and (experts * K,).
     return torch._scaled_grouped_mm(g_data.t().contiguous(), x_data.t().contiguous().t(),
@@ -148,19 +150,20 @@ class Float8GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, recipe: Recipe,
-                emulate: bool) -> Tensor:
+                emulate: bool, valueless: bool) -> Tensor:
         ctx.save_for_backward(x, weight, offsets, expert_of_row)
-        ctx.recipe, ctx.emulate = recipe, emulate
+        ctx.recipe, ctx.emulate, ctx.valueless = recipe, emulate, valueless
         in_block = (expert_of_row < weight.size(0))[:, None]
-        return forward_mm(x, weight, offsets, recipe, emulate).to(x.dtype).masked_fill(~in_block, 0)
+        return forward_mm(x, weight, offsets, recipe, emulate, valueless).to(x.dtype).masked_fill(~in_block, 0)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None]:
         x, weight, offsets, expert_of_row = ctx.saved_tensors
         in_block = (expert_of_row < weight.size(0))[:, None]
-        grad_input = grad_input_mm(grad, weight, offsets, ctx.recipe, ctx.emulate).to(grad.dtype)
-        grad_weight = grad_weight_mm(grad, x, (offsets, expert_of_row), weight.size(0), ctx.recipe, ctx.emulate)
-        return grad_input.masked_fill(~in_block, 0), grad_weight.to(weight.dtype), None, None, None, None
+        grad_input = grad_input_mm(grad, weight, offsets, ctx.recipe, ctx.emulate, ctx.valueless).to(grad.dtype)
+        grad_weight = grad_weight_mm(grad, x, (offsets, expert_of_row), weight.size(0), ctx.recipe, ctx.emulate,
+                                     ctx.valueless)
+        return grad_input.masked_fill(~in_block, 0), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -169,10 +172,12 @@ class Float8ExpertSwiGLU:
 
     recipe_name: str
     emulate: bool
+    valueless: bool = False
+    """MoEArgs.valueless: the dry run's fake tensors, whose emulated per-expert matmuls split the rows evenly."""
 
     def grouped_mm(self, x: Tensor, weight: Tensor, groups: PaddedGroups) -> Tensor:
         return Float8GroupedMatmul.apply(x, weight, groups.offsets, groups.expert_of_row,
-                                         EXPERT_RECIPES[self.recipe_name], self.emulate)
+                                         EXPERT_RECIPES[self.recipe_name], self.emulate, self.valueless)
 
     def __call__(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
         return padded_swiglu(x, counts, w1, w2, w3, self.grouped_mm, FLOAT8_GROUP_ALIGNMENT)
