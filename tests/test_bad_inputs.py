@@ -242,6 +242,14 @@ CASES: dict[str, Case] = {
     "mx_without_emulate_on_cpu": Case(["--model.converters", "mx"], "--mx.emulate", marks=(WITHOUT_GPU,)),
     "mx_filter_typo": Case(["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns", "ouput"],
                            "--mx.filter_fqns 'ouput'"),
+    "nvfp4_filter_typo": Case(["--model.converters", "nvfp4", "--nvfp4.emulate", "--nvfp4.filter_fqns", "outptu"],
+                              "--nvfp4.filter_fqns 'outptu'"),
+    "float8_experts_typo": Case(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.converters",
+                                 "float8", "--float8.emulate", "--float8.moe_fqns_prototype", "moe.expert_s"],
+                                "--float8.moe_fqns_prototype 'moe.expert_s'"),
+    "mx_experts_typo": Case(["--model.name", "qwen3", "--model.flavor", "debugmodel_moe", "--model.converters", "mx",
+                             "--mx.emulate", "--mx.moe_fqns_prototype", "moe.expert_"],
+                            "--mx.moe_fqns_prototype 'moe.expert_'"),
     "float8_and_mx_overlap": Case(["--model.converters", "float8,mx", "--float8.emulate", "--mx.emulate"],
                                   "--float8.filter_fqns"),
     "compile_casts_with_value": Case(["--compile.emulate_precision_casts", "on"], "--compile.emulate_precision_casts"),
@@ -278,13 +286,16 @@ def test_sweep_has_at_least_100_cases() -> None:
 # Fields that name modules or parameters (by FQN substring, or a checkpoint's parts), and the case whose entry
 # matches none of them: each must be refused, naming the entry, rather than silently change nothing.
 PATTERN_FIELDS = {"float8.filter_fqns": "float8_filter_typo", "mx.filter_fqns": "mx_filter_typo",
+                  "nvfp4.filter_fqns": "nvfp4_filter_typo", "float8.moe_fqns_prototype": "float8_experts_typo",
+                  "mx.moe_fqns_prototype": "mx_experts_typo",
                   "optimizer.lr_multipliers": "lr_multiplier_matches_nothing",
                   "checkpoint.exclude_from_loading": "exclude_unknown_part"}
 
 
 def test_every_name_pattern_field_refuses_an_entry_that_matches_nothing() -> None:
     fqn_fields = {f"{section.name}.{name}" for section in dataclasses.fields(JobConfig)
-                  for name in typing.get_type_hints(section.type) if name.endswith("_fqns")}
+                  for name in typing.get_type_hints(section.type)
+                  if name.endswith(("_fqns", "_fqns_prototype"))}
     assert fqn_fields <= PATTERN_FIELDS.keys(), f"add a case for {fqn_fields - PATTERN_FIELDS.keys()}"
     for field_name, case in PATTERN_FIELDS.items():
         assert CASES[case].expected.startswith(f"--{field_name}"), (field_name, CASES[case].expected)

@@ -89,10 +89,11 @@ def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, valueless: 
     if grouped_mm_supported(a, valueless):
         return torch._grouped_mm(a, b, offs=offsets)
     # Emulation where the op does not run (fp32 under compile, GPUs before Hopper) reads the blocks' ends.
-    rows = a.size(0) if b.dim() == 3 else a.size(1)
-    ends = host_counts(offsets, rows, valueless)
     if valueless:
-        ends = list(itertools.accumulate(ends))
+        rows = a.size(0) if b.dim() == 3 else a.size(1)
+        ends = list(itertools.accumulate(host_counts(offsets, rows, valueless)))
+    else:
+        ends = offsets.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:
         blocks = [a[start:end] @ b[e] for e, (start, end) in enumerate(zip(starts, ends))]
