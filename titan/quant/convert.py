@@ -126,13 +126,14 @@ def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], f
     return None
 
 
-def convert_experts(model: nn.Module, skip_reason: Callable[[str, GroupedExperts], str | None],
+def convert_experts(model: nn.Module, moe_fqns: list[str], flag: str, alignment: int,
                     swiglu: Callable[[bool], ExpertSwiGLU], result: str) -> list[LayerDecision]:
-    """Give the experts of every MoE layer that `skip_reason` keeps (returns None for) the grouped matmuls
-    swiglu(the experts' valueless flag); experts an earlier converter took are left alone."""
+    """Give the experts of every MoE layer that expert_skip_reason keeps (for `flag`'s `moe_fqns` and the recipe's
+    `alignment`) the grouped matmuls swiglu(the experts' valueless flag); experts an earlier converter took are left
+    alone."""
     decisions = []
     for fqn, moe in high_precision_experts(model).items():
-        reason = skip_reason(f"{fqn}.experts", moe.experts)
+        reason = expert_skip_reason(f"{fqn}.experts", moe.experts, moe_fqns, flag, alignment)
         if reason is None:
             moe.experts.swiglu = swiglu(moe.experts.valueless)
         decisions.append(expert_decision(fqn, moe, reason or result, converted=reason is None))
@@ -177,11 +178,10 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
                            lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name,
                                                                    emulate=cfg.emulate),
                            f"float8 {cfg.recipe_name}{emulated}")
-    experts = convert_experts(
-        model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
-                                                       "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT),
-        lambda valueless: Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate, valueless),
-        f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}{emulated}")
+    experts = convert_experts(model, cfg.moe_fqns_prototype, "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT,
+                              lambda valueless: Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate, valueless),
+                              f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}"
+                              f"{emulated}")
     return linears + experts
 
 
@@ -193,11 +193,9 @@ def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
                            lambda linear: MXLinear.from_linear(linear, recipe_name=cfg.recipe_name,
                                                                emulate=cfg.emulate),
                            f"mx {cfg.recipe_name}{emulated}")
-    experts = convert_experts(
-        model, lambda fqn, experts: expert_skip_reason(fqn, experts, cfg.moe_fqns_prototype,
-                                                       "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT),
-        lambda valueless: MXExpertSwiGLU(cfg.emulate),
-        f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
+    experts = convert_experts(model, cfg.moe_fqns_prototype, "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT,
+                              lambda valueless: MXExpertSwiGLU(cfg.emulate),
+                              f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
     return linears + experts
 
 
