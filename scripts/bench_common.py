@@ -76,5 +76,5 @@ def final_loss(flags: list[str], steps: int, folder: str) -> float:
     argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", folder, "--training.steps", str(steps),
             "--metrics.log_freq", str(steps), *flags]
     Trainer(load_job_config(argv, world_size=1), world_size=1).run()
-    last = (Path(folder) / "metrics.jsonl").read_text().splitlines()[-1]
-    return json.loads(last)["loss"]
+    records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+    return [record for record in records if "loss" in record][-1]["loss"]

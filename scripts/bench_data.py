@@ -149,7 +149,7 @@ def train_and_measure(store: Path, dump: Path, steps: int) -> dict:
                     "prepared", "--training.dataset_path", str(store), "--training.steps", str(steps),
                     "--metrics.log_freq", "1"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    timed = [r for r in records if r["step"] > 1 and "data_wait_pct" in r]
+    timed = [r for r in records if "data_wait_pct" in r and r["step"] > 1]
     return {"data_wait_pct": statistics.mean(r["data_wait_pct"] for r in timed),
             "max_rss_mb": json.loads(rss_file.read_text())}
 

@@ -395,6 +395,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def step_records(folder: Path) -> list[dict]:
+    """The training steps' records of <folder>/metrics.jsonl (not its evaluations or the job's goodput)."""
+    return [record for record in read_jsonl(folder / "metrics.jsonl") if "loss" in record]
+
+
 def nan_skip_problems(metrics: list[dict], anomalies: list[dict], nan_step: int, steps: int) -> list[str]:
     """What is wrong with a run whose loss was NaN at nan_step under --training.on_nonfinite skip: the skip's record,
     the LR schedule waiting a step, every step logged and the other losses finite."""
@@ -425,7 +430,7 @@ def check_fsdp_offload_nan_skip(session: Session) -> str:
     folders = {name: session.scratch / f"nan_{name.replace(' ', '_')}" for name in variants}
     session.run({name: python(ANOMALY_PROBE, *flags, *extra, "--job.dump_folder", folders[name])
                  for name, extra in variants.items()}, limit_s=150, env={"NAN_STEPS": str(NAN_STEP)})
-    runs = {name: (read_jsonl(folder / "metrics.jsonl"), read_jsonl(folder / "anomalies.jsonl"))
+    runs = {name: (step_records(folder), read_jsonl(folder / "anomalies.jsonl"))
             for name, folder in folders.items()}
     problems = [f"{name}: {problem}" for name, (metrics, anomalies) in runs.items()
                 for problem in nan_skip_problems(metrics, anomalies, NAN_STEP, NAN_RUN_STEPS)]
@@ -470,7 +475,7 @@ def check_titan_1b(session: Session, extra: list[str], name: str) -> str:
     folder = session.scratch / name
     session.run({name: python(ROOT / "train.py", *TITAN_1B_JOB, *extra, "--training.steps", str(RUN_1B_STEPS),
                               "--metrics.log_freq", str(RUN_1B_LOG_FREQ), "--job.dump_folder", folder)}, limit_s=150)
-    records = read_jsonl(folder / "metrics.jsonl")
+    records = step_records(folder)
     tps = median_after_warmup(records, "tps", RUN_1B_LOG_FREQ)
     session.measured[name] = tps
     mfu = median_after_warmup(records, "mfu_pct", RUN_1B_LOG_FREQ)

@@ -7,10 +7,12 @@ import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from harness.debug_training import train_losses
+from harness.fsdp2_job import launch_job
 from harness.torchrun import GlooAbortRerun
 from harness.train_script import run_train, titan_log
 
@@ -32,6 +34,18 @@ def titan_records() -> Iterator[list[logging.LogRecord]]:
     """Every record the `titan` logger emits during the test, exactly once (harness.train_script.titan_log)."""
     with titan_log() as records:
         yield records
+
+
+@pytest.fixture(scope="session")
+def fsdp2_straight_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The uninterrupted run of harness.fsdp2_job's JOB, which the restart and stop tests match bit for bit: (its
+    folder, its output). Its rank 1 is also a straggler from step 3 on (--fault.kind slow: sleeps in its optimizer
+    steps, which change no value), for test_restarts.py's straggler test."""
+    folder = tmp_path_factory.mktemp("fsdp2_straight")
+    result = launch_job(folder, "--fault.kind", "slow", "--fault.rank", "1", "--fault.step", "2",
+                        "--fault.slow_seconds", "0.05", "--metrics.straggler_window", "3")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return folder, result.stdout + result.stderr
 
 
 @pytest.fixture(scope="session")

@@ -276,6 +276,14 @@ CASES: dict[str, Case] = {
                                               files={"plain/a.txt": b"x"}),
     "load_step_without_checkpoint": Case(["--checkpoint.enable", "--checkpoint.load_step", "5"],
                                          "--checkpoint.load_step 5"),
+    "fault_kind_unknown": flag("fault.kind", "meteor"),
+    "fault_without_a_time": Case(["--fault.kind", "kill"], "--fault.step"),
+    "fault_rank_outside_the_job": Case(["--fault.kind", "hang", "--fault.step", "3", "--fault.rank", "2"],
+                                       "--fault.rank 2 is not a rank of this job", world_size=2),
+    "storage_fault_without_checkpoints": Case(["--fault.kind", "storage", "--fault.step", "3"], "--checkpoint.enable"),
+    "storage_fault_on_object_storage": Case(["--fault.kind", "storage", "--fault.step", "3", "--checkpoint.enable",
+                                             "--checkpoint.folder", "s3://bucket/run"], "whose outage Titan cannot"),
+    "straggler_threshold_above_one": flag("metrics.straggler_threshold", "1.5"),
 }
 
 
@@ -437,7 +445,8 @@ def test_toml_with_byte_order_mark_loads(tmp_path: Path) -> None:
     assert parse_args(["--job.config_file", str(tmp_path / "job.toml")]).training.steps == 3
 
 
-# Launcher environment: run_train.sh and titan.launch check NGPU, LOG_RANK and CONFIG_FILE before any rank starts.
+# Launcher environment: run_train.sh and titan.launch check NGPU, LOG_RANK, CONFIG_FILE and MAX_RESTARTS before any
+# rank starts.
 LAUNCHER_CASES: dict[str, tuple[dict[str, str], list[str], str]] = {
     "ngpu_zero": ({"NGPU": "0"}, [], "NGPU"),
     "ngpu_negative": ({"NGPU": "-1"}, [], "NGPU"),
@@ -445,6 +454,7 @@ LAUNCHER_CASES: dict[str, tuple[dict[str, str], list[str], str]] = {
     "log_rank_word": ({"LOG_RANK": "abc"}, [], "LOG_RANK"),
     "log_rank_outside_job": ({"LOG_RANK": "5"}, [], "LOG_RANK"),
     "config_file_env_missing": ({"CONFIG_FILE": "/no/such/job.toml"}, [], "CONFIG_FILE"),
+    "max_restarts_negative": ({"MAX_RESTARTS": "-1"}, [], "MAX_RESTARTS"),
 }
 
 

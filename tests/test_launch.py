@@ -16,13 +16,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_run_train_sh_trains_and_writes_metrics(tmp_path: Path) -> None:
-    result = run_train("--training.steps", "10", "--job.dump_folder", str(tmp_path))
+    result = run_train("--training.steps", "5", "--training.seq_len", "64", "--job.dump_folder", str(tmp_path))
     assert result.returncode == 0, result.stdout + result.stderr
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 10]
+    goodput = records.pop()  # the job's goodput, written when it ends
+    assert goodput["step"] == 5 and goodput["restarts"] == 0 and goodput["productive_s"] > 0
+    assert [r["step"] for r in records] == [1, 5]
     assert records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "config.toml").is_file()
-    assert "Training finished after 10 steps" in result.stdout
+    assert "Training finished after 5 steps" in result.stdout
 
 
 def test_config_mistakes_exit_2_without_traceback(tmp_path: Path) -> None:
@@ -46,9 +48,10 @@ def test_data_error_exits_2_naming_field(tmp_path: Path) -> None:
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     result = run_train("--training.dataset", "text", "--training.dataset_path", str(empty),
-                       "--job.dump_folder", str(tmp_path / "out"))
+                       "--job.dump_folder", str(tmp_path / "out"), env={"MAX_RESTARTS": "2"})
     output = result.stdout + result.stderr
     assert result.returncode == 2 and "--training.dataset_path" in output, output
+    assert "Restart 1" not in output  # a mistake is not retried
     assert "Traceback" not in output
 
 
@@ -109,12 +112,15 @@ def test_ngpu2_wrong_degrees_is_a_config_error(tmp_path: Path) -> None:
 def test_ngpu2_nonfinite_loss_stops_both_ranks_at_the_same_step(tmp_path: Path, layout: list[str]) -> None:
     """A real divergence (lr 1e30, no clipping) under FSDP=2, where each rank reads its own batch, and under PP=2,
     where only the last stage computes the loss: both ranks see the global loss and gradient norm, stop at the same
-    step with exit code 3 and the hint, and that step is never checkpointed."""
+    step with exit code 3 and the hint, and that step is never checkpointed. A restart budget does not retry it."""
     result = run_train(*SHORT, "--training.local_batch_size", "2", "--optimizer.lr", "1e30",
                        "--lr_scheduler.warmup_steps", "0", "--training.max_norm", "0", *layout, "--checkpoint.enable",
-                       "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path), env={"NGPU": "2"})
+                       "--checkpoint.interval", "1", "--job.dump_folder", str(tmp_path),
+                       env={"NGPU": "2", "MAX_RESTARTS": "2"})
     output = result.stdout + result.stderr
     assert result.returncode == 3, output
+    assert "exited with code 3, which ends the job without a restart (--max-restarts 2)" in output
+    assert "Restart 1" not in output
     messages = dict(re.findall(r"\[rank(\d)\] ERROR (Stopping: .*)", output))
     assert messages.keys() == {"0", "1"}, output
     step = int(re.search(r" at step (\d+);", messages["0"]).group(1))

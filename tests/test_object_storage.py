@@ -149,21 +149,6 @@ def test_killed_before_the_marker_resumes_from_the_last_complete_step(tmp_path: 
     assert [got[step] for step in range(3, STEPS + 1)] == [want[step] for step in range(3, STEPS + 1)]
 
 
-def test_a_failed_upload_stops_with_the_url_and_keeps_the_last_checkpoint(tmp_path: Path, bucket: str, s3: S3Server,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The server refuses step 4's data: the run exits 2 naming the URL and the intact step 2, publishes nothing
-    for step 4, and its local metrics hold every step it trained."""
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the server's refusal is final: skip botocore's retries
-    url = f"s3://{bucket}/run"
-    s3.hook = lambda method, path: 403 if method == "PUT" and "/run/step-4/" in path else None
-    result = train_here(tmp_path, url, *CHECKPOINTS, "--checkpoint.async_mode", "disabled")
-    assert result.returncode == 2, result.stdout[-3000:]
-    assert (f"Saving the checkpoint of step 4 to {url}/step-4 failed" in result.stdout
-            and f"It was not published: the newest complete checkpoint, {url}/step-2, is intact" in result.stdout)
-    assert complete_steps(url) == ["step-2"]
-    assert sorted(losses_by_step(tmp_path)) == [1, 2, 3, 4]
-
-
 @pytest.mark.parametrize("case, expected", [
     ("missing bucket", "the bucket does not exist"),
     ("no credentials", "no credentials were found"),

@@ -1,10 +1,9 @@
 """Stopping early and hangs, on real processes and the real loop: a stop signal on any rank or --job.time_limit saves
-at a step boundary and exits 4, and rerunning resumes bit for bit; a stalled rank ends the run with code 5, every
-rank's stacks in <dump_folder>/hang/ and the slow rank named."""
+at a step boundary and exits 4, and rerunning resumes bit for bit; a single hung process writes its stacks and exits
+5 (two ranks, one hung, and the restart after it: tests/test_restarts.py)."""
 
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -26,15 +25,14 @@ from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
 from titan.train.watchdog import Watchdog
 
-from harness.debug_training import DEBUG_TOML
+from harness.fsdp2_job import CHECKPOINT_INTERVAL, JOB, STEPS
 from harness.train_script import ROOT, losses_by_step, metric_records
 
-STEPS = 10
 STOP_STEP = 7
 """The step at which the stop tests send SIGTERM: after the checkpoint of step 5, before the run's end."""
-SMALL = ["--job.config_file", DEBUG_TOML, "--training.seq_len", "32", "--training.local_batch_size", "2",
-         "--metrics.log_freq", "1", "--training.steps", str(STEPS)]
-CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", "5"]
+# harness/fsdp2_job.py's job, whose two-rank run the two-rank test compares with; one process here.
+SMALL = [*JOB[:JOB.index("--parallelism.data_parallel_shard_degree")]]
+CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_INTERVAL)]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
 
 
@@ -67,10 +65,12 @@ def act_after_step(trainer: Trainer, step: int, action: Callable[[], None], monk
     monkeypatch.setattr(trainer, "train_step", train_step_then_act)
 
 
-def launch(nprocs: int, action: str | None, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+def launch(nprocs: int, action: str | None, folder: Path, *flags: str, max_restarts: int = 2
+           ) -> subprocess.CompletedProcess:
     """tests/harness/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) under
-    titan.launch, the launcher run_train.sh runs."""
+    titan.launch, the launcher run_train.sh runs, with a restart budget: a stop is not restarted."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
+               f"--max-restarts={max_restarts}",
                str(ROOT / "tests" / "harness" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
     # One thread per process, as torchrun gives several ranks and as the tests in this process use.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
@@ -127,24 +127,25 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: P
     assert losses_by_step(tmp_path) == one_process_losses
 
 
-def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(tmp_path: Path) -> None:
-    """FSDP=2: only rank 1 gets SIGTERM, at STOP_STEP. Both ranks stop after that step, with its checkpoint, exit code
-    4 through the launcher; the same command again finishes the run with a straight run's losses, bit for bit."""
-    straight = launch(2, None, tmp_path / "straight", *CHECKPOINT, *FSDP2)
-    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+def test_sigterm_on_one_of_two_ranks_stops_both_and_the_rerun_resumes_exactly(
+        tmp_path: Path, fsdp2_straight_run: tuple[Path, str]) -> None:
+    """FSDP=2 (harness/fsdp2_job.py's job): only rank 1 gets SIGTERM, at STOP_STEP. Both ranks stop after that step,
+    with its checkpoint, exit code 4 through the launcher, which does not restart them; the same command again
+    finishes the run with the straight run's losses, bit for bit."""
     folder = tmp_path / "stopped"
     stopped = launch(2, f"{STOP_STEP}:1:signal", folder, *CHECKPOINT, *FSDP2)
     assert stopped.returncode == 4, stopped.stdout[-3000:] + stopped.stderr[-3000:]
     assert f"[rank1] WARNING Rank 1 received SIGTERM: finishing step {STOP_STEP}" in stopped.stdout
     for rank in (0, 1):
         assert f"[rank{rank}] ERROR Stopped at step {STOP_STEP}: rank 1 received SIGTERM." in stopped.stdout
+    assert "exited with code 4, which ends the job without a restart (--max-restarts 2)" in stopped.stdout
     assert LocalSteps(folder / "checkpoint").complete_steps() == [5, STOP_STEP]
     num_stopped_records = len(metric_records(folder))
     rerun = launch(2, f"{STOP_STEP}:1:signal", folder, *CHECKPOINT, *FSDP2)  # resumes after it, so it sends nothing
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"[rank0] INFO {loaded_line(folder, STOP_STEP)}" in rerun.stdout, rerun.stdout[-3000:]
     assert loss_steps_since(folder, num_stopped_records) == list(range(STOP_STEP + 1, STEPS + 1))
-    assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
+    assert losses_by_step(folder) == losses_by_step(fsdp2_straight_run[0])
 
 
 def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -208,33 +209,6 @@ def test_the_same_signal_again_exits_at_once() -> None:
     finally:
         flag.restore()
         signal.signal(signal.SIGUSR1, previous)
-
-
-def test_a_stalled_rank_ends_the_run_with_its_stacks_and_name(tmp_path: Path) -> None:
-    """Rank 1 stalls after step 2 under --comm.train_timeout_seconds 5: rank 0 waits for it at the step boundary.
-    Both watchdogs write their stacks and flight-recorder dumps, name rank 1 as the slowest, and the run exits 5
-    without a gloo timeout."""
-    result = launch(2, "2:1:stall", tmp_path, *FSDP2, "--comm.train_timeout_seconds", "5")
-    output = result.stdout + result.stderr
-    assert result.returncode == 5, output[-4000:]
-    stacks = {rank: (tmp_path / "hang" / f"rank_{rank}.txt").read_text() for rank in (0, 1)}
-    assert "in stall_after_step" in stacks[1] and "in stall_after_step" not in stacks[0]
-    assert "in end_step" in stacks[0]  # waiting for rank 1 in the step boundary's all-reduce
-    for rank in (0, 1):
-        assert (f"[rank{rank}] ERROR Rank {rank}: the run made no progress for 5s in step 2 "
-                f"(--comm.train_timeout_seconds 5)") in output
-    assert "The slowest is rank 1, which last completed step 1" in output
-    assert "Traceback" not in output
-    # The flight recorder (gloo on CPU): rank 0's last collective, the boundary's agreement on the default group,
-    # is the one after the last that rank 1 ran there, which rank 1 never joined.
-    entries = {rank: pickle.loads((tmp_path / "comm_traces" / f"gloo_rank_{rank}").read_bytes())["entries"]
-               for rank in (0, 1)}
-    waiting = entries[0][-1]
-    assert waiting["process_group"][1] == "default_pg" and waiting["profiling_name"] == "gloo:all_reduce"
-    assert waiting["state"] != "completed"
-    ran_by_1 = max(e["collective_seq_id"] for e in entries[1] if e["process_group"][1] == "default_pg")
-    assert waiting["collective_seq_id"] == ran_by_1 + 1
-    assert f"python -m torch.distributed.flight_recorder.fr_trace {tmp_path / 'comm_traces'}" in output
 
 
 def test_a_single_process_that_hangs_writes_its_stacks_and_exits_5(tmp_path: Path) -> None:

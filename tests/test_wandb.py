@@ -61,7 +61,9 @@ def test_wandb_run_matches_the_metrics_and_a_resume_continues_it(tmp_path: Path,
     assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
     for record in records(tmp_path):
         row = by_step[record["step"]]
-        if "val_loss" in record:
+        if "goodput_pct" in record:
+            assert row["goodput/goodput_pct"] == record["goodput_pct"] and row["goodput/wall_s"] == record["wall_s"]
+        elif "val_loss" in record:
             assert row["val/loss"] == record["val_loss"] and row["val/tokens"] == record["val_tokens"]
         else:
             assert same(row["train/loss"], record["loss"]) and row["train/lr"] == record["lr"]

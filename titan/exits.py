@@ -2,10 +2,11 @@
 
 Exit codes: 0 finished; 2 a user mistake (ConfigError: config, paths, data, checkpoints); 3 the run diverged
 (NonFiniteLossError); 4 stopped early by a signal or --job.time_limit, after saving (titan/train/preemption.py);
-5 hung (titan/train/watchdog.py). Known stops print their message and no traceback. A rank that stops tells its peers
-through the process group's store first: a peer whose next collective then fails (gloo: "Connection closed by
-peer") prints one line naming that rank and exits with the same code, instead of a traceback that buries the
-stopped rank's message.
+5 hung (titan/train/watchdog.py); 6 a checkpoint save failed (titan/checkpoint/dcp.py); 7 the launcher's restart
+budget (--max-restarts) ran out (titan/launch.py). Known stops print their message and no traceback. A rank that
+stops tells its peers through the process group's store first: a peer whose next collective then fails (gloo:
+"Connection closed by peer") prints one line naming that rank and exits with the same code, instead of a traceback
+that buries the stopped rank's message.
 """
 
 import atexit
@@ -27,8 +28,16 @@ EXIT_STOPPED_EARLY = 4
 """A preemption signal or --job.time_limit stopped the run at a step boundary; rerunning the command resumes."""
 EXIT_HUNG = 5
 """A step outlasted --comm.train_timeout_seconds; each rank's stack is in <dump_folder>/hang/."""
-KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG)
+EXIT_SAVE_FAILED = 6
+"""Writing a checkpoint failed after the run had started (a storage outage); nothing was published, and a rerun or an
+in-job restart resumes from the newest complete checkpoint."""
+EXIT_RESTARTS_SPENT = 7
+"""The launcher restarted the job --max-restarts times and it failed once more (titan/launch.py)."""
+KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG, EXIT_SAVE_FAILED)
 """Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
+NOT_RETRIED_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY)
+"""Failures an in-job restart would only repeat (a mistake, a divergence) or that asked the job to end (a stop
+signal, --job.time_limit): the launcher ends the job with their code instead of restarting it."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """What a scheduler sends before it kills a job (Slurm: SIGTERM, or SIGUSR1 with --signal; Kubernetes: SIGTERM), and
@@ -38,6 +47,10 @@ STOP_KEY = "titan/first_stop"
 """Store key holding "<rank> <exit code>" of the first rank that stopped with a known error."""
 PEER_STOP_WAIT = timedelta(seconds=10)
 """How long a rank whose collective failed waits for a peer's stop notice before treating the failure as its own."""
+stop_signal_received = threading.Event()
+"""Set by the training loop's signal handler (titan/train/preemption.py). torchrun's agent sends SIGTERM to the other
+ranks once one fails: a rank whose collective then fails is being torn down, and waiting PEER_STOP_WAIT for a notice
+that a killed peer never wrote would only delay the restart."""
 
 
 class KnownStop(Exception):
@@ -52,6 +65,7 @@ def run_main(body: Callable[[], int | None], on_exit: Callable[[bool], None] | N
     """Run `body` and return the process exit code. `on_exit(ranks_agree)` runs last in every case; ranks_agree
     says every rank reached the same point (a finished run, or a stop every rank raises), so they may still meet."""
     ranks_agree = False
+    stop_signal_received.clear()  # a signal of an earlier body (tests run several in one process) is not this one's
     try:
         code = body() or 0
         ranks_agree = True
@@ -62,7 +76,11 @@ def run_main(body: Callable[[], int | None], on_exit: Callable[[bool], None] | N
         ranks_agree = stop.every_rank_stops
         return stop.exit_code
     except RuntimeError as error:  # gloo and NCCL report a vanished peer as RuntimeError (or its DistError subclasses)
-        peer = peer_stop()
+        peer = peer_stop(timedelta(0) if stop_signal_received.is_set() else PEER_STOP_WAIT)
+        if peer is None and stop_signal_received.is_set():
+            logger.error(f"This rank's collective failed after it was asked to stop: another rank failed first (the "
+                         f"launcher's message names it). ({str(error).splitlines()[0][:200]})")
+            return 1
         if peer is None:
             raise
         rank, code = peer
@@ -82,13 +100,16 @@ def announce_stop(exit_code: int) -> None:
         store.compare_set(STOP_KEY, "", f"{dist.get_rank()} {exit_code}")
 
 
-def peer_stop() -> tuple[int, int] | None:
-    """(rank, exit code) of a peer that announced its stop, waiting PEER_STOP_WAIT for it; None if none did."""
+def peer_stop(wait: timedelta) -> tuple[int, int] | None:
+    """(rank, exit code) of a peer that announced its stop, waiting up to `wait` for it; None if none did."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     store = dist.distributed_c10d._get_default_store()
     try:
-        store.wait([STOP_KEY], PEER_STOP_WAIT)
+        if wait > timedelta(0):
+            store.wait([STOP_KEY], wait)
+        elif not store.check([STOP_KEY]):
+            return None
         rank, code = store.get(STOP_KEY).decode().split()
     except (RuntimeError, ValueError):  # no notice in time: the failure is this rank's own
         return None

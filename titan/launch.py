@@ -5,6 +5,14 @@ prints one message and exits 2 instead of failing in every rank. It then runs to
 (torch.distributed.run) and passes a failed rank's exit code through, without torchrun's own traceback: the rank
 has already said what went wrong. `--help` shows torchrun's flags, then Titan's fields.
 
+With --max-restarts N (MAX_RESTARTS for run_train.sh; default 0), a failed attempt is restarted, all ranks at once,
+up to N times, each resuming from the newest complete checkpoint: a rank killed by a signal, a crash (1), a hang (5)
+and a failed checkpoint save (6) are retried. A config or data mistake (2), a divergence (3) and a requested stop (4)
+end the job at once with their code, since a restart would repeat them or undo the request. Each restart logs the
+failing rank, its exit code or signal and the job's last finished step; a failure after the last restart ends the
+job with code 7. This is torchrun's own agent, told which failures to retry (RestartPolicy), so multi-node jobs
+restart through torchrun's rendezvous as usual (docs/production.md).
+
 Stop signals (SIGTERM, SIGINT, SIGUSR1: titan.exits.STOP_SIGNALS) are passed on to every rank, which saves and
 exits with code 4, and the launcher keeps waiting for the ranks and reports their code. torchrun on its own would
 pass on SIGTERM and SIGINT (not SIGUSR1, which would kill it), SIGKILL the ranks still running 30 s later
@@ -12,16 +20,22 @@ pass on SIGTERM and SIGINT (not SIGUSR1, which would kill it), SIGKILL the ranks
 """
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import sys
+import time
 from argparse import Namespace
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import determine_local_world_size, get_args_parser, run
 
 from titan.config.check import load_job_config
@@ -29,7 +43,8 @@ from titan.config.errors import ConfigError
 from titan.config.load import parse_args as parse_titan_args
 from titan.config.print_config import print_config
 from titan.dry_run import dry_run
-from titan.exits import KNOWN_EXIT_CODES, STOP_SIGNALS, run_main
+from titan.exits import EXIT_RESTARTS_SPENT, KNOWN_EXIT_CODES, NOT_RETRIED_EXIT_CODES, STOP_SIGNALS, run_main
+from titan.metrics.goodput import LAUNCH_TIME_ENV, EventLog, measure_goodput, process_start_time, read_events, summary
 from titan.metrics.log import init_logger, logger, logging_ranks
 
 HELP_FLAGS = ("-h", "--help")
@@ -71,13 +86,154 @@ def exit_code(failure_code: int) -> int:
     return 128 - failure_code if failure_code < 0 else failure_code or 1
 
 
-def first_explained_failure(error: ChildFailedError) -> tuple[int, int]:
-    """(rank, exit code) to report: the earliest rank that exited with a known stop's code (its message explains
-    it), else the earliest failure. Peers of a stopped rank fail after it, but a signal can reorder that."""
-    failures = sorted(error.failures.items(), key=lambda item: item[1].timestamp)
-    explained = [(rank, failure) for rank, failure in failures if failure.exitcode in KNOWN_EXIT_CODES]
-    rank, failure = (explained or failures)[0]
-    return rank, exit_code(failure.exitcode)
+def first_explained_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """(rank, failure) to report: the earliest rank that exited with a known stop's code (its message explains it),
+    else the earliest failure. Peers of a stopped rank fail after it, but a signal can reorder that."""
+    ordered = sorted(failures.items(), key=lambda item: item[1].timestamp)
+    explained = [(rank, failure) for rank, failure in ordered if failure.exitcode in KNOWN_EXIT_CODES]
+    return (explained or ordered)[0]
+
+
+NOT_RETRIED_BECAUSE = {2: "a config or data mistake would fail again", 3: "a diverged run would diverge again",
+                       4: "the job was asked to stop (a signal or --job.time_limit)"}
+EXIT_MEANINGS = {1: "crashed", 5: "hung", 6: "failed to save a checkpoint"}
+
+
+def describe_exit(failure: ProcessFailure) -> str:
+    """'was killed by SIGKILL', 'exited with code 5 (hung)'."""
+    if failure.exitcode < 0:
+        return f"was killed by {signal.Signals(-failure.exitcode).name}"
+    meaning = EXIT_MEANINGS.get(failure.exitcode)
+    return f"exited with code {failure.exitcode}" + (f" ({meaning})" if meaning else "")
+
+
+def last_finished_step(dump_folder: Path) -> int | None:
+    """The last step rank 0 finished, from the goodput log; None before any (or with the log on another node)."""
+    steps = [event["step"] for event in read_events(dump_folder) if event.get("event") == "step"]
+    return steps[-1] if steps else None
+
+
+class RestartPolicy:
+    """Which failed attempts the launcher's torchrun agent restarts (--max-restarts), and what it says about each.
+    The agent on the node of group rank 0 also records each failure in the job's goodput log."""
+
+    def __init__(self, max_restarts: int, dump_folder: Path) -> None:
+        self.max_restarts = max_restarts
+        self.dump_folder = dump_folder
+        self.restarting = False
+        """The attempt that just failed is being restarted (its survivors are killed, not asked to stop)."""
+        self.budget_spent = False
+        self.hosts_rank_0 = False
+        self.last_failure = ""
+
+    def restarts_left(self, failures: dict[int, ProcessFailure], remaining: int, group_rank: int) -> int:
+        """The agent's restarts left after this failed attempt: none for a failure that is not retried."""
+        rank, failure = first_explained_failure(failures)
+        code = exit_code(failure.exitcode)
+        self.hosts_rank_0 = group_rank == 0
+        if self.hosts_rank_0:
+            events = EventLog(self.dump_folder, enabled=True)
+            events.write("failure", rank=rank, code=code)
+            events.close()
+        step = last_finished_step(self.dump_folder)
+        self.last_failure = (f"rank {rank} {describe_exit(failure)}, "
+                             + (f"after step {step}" if step is not None else "before finishing a step"))
+        self.restarting = False
+        if self.max_restarts == 0:
+            return 0
+        if code in NOT_RETRIED_EXIT_CODES:
+            logger.error(f"Rank {rank} exited with code {code}, which ends the job without a restart "
+                         f"(--max-restarts {self.max_restarts}): {NOT_RETRIED_BECAUSE[code]}.")
+            return 0
+        if remaining == 0:
+            self.budget_spent = True
+            return 0
+        logger.warning(f"Restart {self.max_restarts - remaining + 1} of {self.max_restarts} (--max-restarts): "
+                       f"{self.last_failure}. Every rank restarts and resumes from the newest complete checkpoint.")
+        self.restarting = True
+        return remaining
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z exited and not yet reaped), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def kill_stopped_ranks_after_an_exit(pids: dict[int, int]) -> None:
+    """SIGKILL the ranks stopped by SIGSTOP once another rank has exited. torchrun stops the rest of a failed attempt
+    with SIGTERM and waits 30 s before SIGKILL, but a stopped process does not act on SIGTERM: it would hold the
+    restart (or the job's end) for those 30 s."""
+    states = {local_rank: process_state(pid) for local_rank, pid in pids.items()}
+    if "Z" not in states.values():
+        return
+    for local_rank, state in states.items():
+        if state == "T":
+            logger.warning(f"Local rank {local_rank} is stopped (SIGSTOP) while another rank has exited: killing it.")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[local_rank], signal.SIGKILL)
+
+
+def restarting_agent(policy: RestartPolicy) -> type[LocalElasticAgent]:
+    """torchrun's agent, restarting only the failures `policy` retries."""
+
+    class RestartingAgent(LocalElasticAgent):
+        """Stops a failed attempt's surviving ranks with SIGKILL when restarting: their state is thrown away, and a
+        rank stuck in a collective or stopped (SIGSTOP) would otherwise hold the restart for torchrun's 30 s shutdown
+        timeout."""
+
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            if self._pcontext is not None:
+                kill_stopped_ranks_after_an_exit(self._pcontext.pids())
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED:
+                # torch's own agent turns restarts off the same way (a rank stuck in uninterruptible sleep).
+                self._remaining_restarts = policy.restarts_left(result.failures, self._remaining_restarts,
+                                                                worker_group.group_rank)
+            return result
+
+        def _stop_workers(self, worker_group: WorkerGroup, *args: object, **kwargs: object) -> None:
+            if policy.restarting:
+                policy.restarting = False
+                self._shutdown(signal.SIGKILL)
+            else:
+                super()._stop_workers(worker_group, *args, **kwargs)
+
+    return RestartingAgent
+
+
+@contextlib.contextmanager
+def using_agent(agent_class: type[LocalElasticAgent]) -> Iterator[None]:
+    """Have torch.distributed.run build `agent_class`: its launch_agent constructs LocalElasticAgent by this module
+    name and takes no other class."""
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = agent_class
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original
+
+
+def record_goodput_after_failure(dump_folder: Path) -> None:
+    """Write the job's goodput record to the console and metrics.jsonl when its last attempt could not (it crashed,
+    hung or was killed): the launcher's record is the last word on the job."""
+    events = read_events(dump_folder)
+    starts = [index for index, event in enumerate(events) if event.get("event") == "start"]
+    if not starts or any(event.get("event") == "end" for event in events[starts[-1]:]):
+        return
+    steps = [event["step"] for event in events if event.get("event") == "step"]
+    record = measure_goodput(events, now=time.time()).record(steps[-1] if steps else 0)
+    logger.info(summary(record))
+    with (dump_folder / "metrics.jsonl").open("a") as file:
+        file.write(json.dumps(record) + "\n")
+
+
+def check_max_restarts(args: Namespace) -> None:
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} (MAX_RESTARTS for run_train.sh) must be 0 or more: how "
+                          f"many times a failed job restarts from its newest checkpoint. Try MAX_RESTARTS=3.")
 
 
 def child_pids() -> list[int]:
@@ -130,6 +286,7 @@ def launch(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     nodes, per_node = nodes_and_processes(args)
     world_size = nodes * per_node
+    check_max_restarts(args)
     check_log_ranks(world_size)
     cfg = load_job_config(args.training_script_args, world_size)
     if cfg.job.print_config:
@@ -139,15 +296,32 @@ def launch(argv: list[str]) -> int:
         # No torchrun, whatever NGPU is: the job's first and last rank are simulated one after the other, each in a
         # process of its own (titan/estimate/gpu_rank.py).
         return dry_run(cfg, world_size, ranks=None)
+    policy = RestartPolicy(args.max_restarts, Path(cfg.job.dump_folder))
+    os.environ[LAUNCH_TIME_ENV] = f"{process_start_time():.3f}"  # the ranks date the launch's wall time from it
     # torchrun logs each failed rank at ERROR level; the rank's own message is the useful one.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        with forwarding_stop_signals(args):
+        with forwarding_stop_signals(args), using_agent(restarting_agent(policy)):
             run(args)
     except ChildFailedError as error:
-        rank, code = first_explained_failure(error)
+        rank, failure = first_explained_failure(error.failures)
+        if policy.hosts_rank_0 and args.max_restarts > 0:
+            record_goodput_after_failure(Path(cfg.job.dump_folder))
+        if policy.budget_spent:
+            logger.error(f"The job failed again after all {args.max_restarts} of its restarts (--max-restarts "
+                         f"{args.max_restarts}; MAX_RESTARTS for run_train.sh): {policy.last_failure}. Its messages "
+                         f"above say why. Fix what keeps failing, or allow more restarts. Exit code "
+                         f"{EXIT_RESTARTS_SPENT}.")
+            return EXIT_RESTARTS_SPENT
+        code = exit_code(failure.exitcode)
         logger.error(f"Rank {rank} exited with code {code}; its messages above say why.")
         return code
+    except RendezvousClosedError:
+        # Another node's launcher ended the job (a failure it does not restart, or its budget spent) while this one
+        # waited to restart with it: torchrun closes the rendezvous when an agent gives up.
+        logger.error(f"Another node's launcher ended the job while this node waited to restart (last failure here: "
+                     f"{policy.last_failure or 'none'}); its log says why.")
+        return 1
     return 0
 
 

@@ -65,9 +65,10 @@ def forward_wire_record(trainer: Trainer, inputs: torch.Tensor) -> dict:
 
 
 def rank_0_metrics(trainer: Trainer) -> list[dict]:
-    """The records rank 0 wrote to metrics.jsonl (the only rank that writes it); empty on the other ranks."""
+    """The training records rank 0 wrote to metrics.jsonl (the only rank that writes it); empty on the other ranks."""
     path = trainer.dump_folder / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if trainer.rank == 0 else []
+    records = [json.loads(line) for line in path.read_text().splitlines()] if trainer.rank == 0 else []
+    return [record for record in records if "loss" in record]
 
 
 def replicated_over_tp(param: DTensor) -> bool:

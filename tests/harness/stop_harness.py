@@ -1,4 +1,5 @@
-"""train.py with one thing done at the end of a chosen step on a chosen rank, for the preemption and hang tests.
+"""train.py with one thing done at the end of a chosen step on a chosen rank, for the preemption tests (hangs and
+kills come from the fault harness, [fault]: tests/test_restarts.py).
 
     TITAN_TEST_ACTION=STEP:RANK:ACTION python -m titan.launch --nproc_per_node 2 tests/harness/stop_harness.py \
         [titan flags]
@@ -7,8 +8,6 @@ ACTION is what rank RANK does right after its step STEP, before the step boundar
     signal    send itself SIGTERM (the real handler and the real loop take it from there)
     launcher  send SIGTERM to the launcher (its parent), as a scheduler would, and wait until the launcher has
               passed it on to this rank
-    stall     sleep far past --comm.train_timeout_seconds, in `stall_after_step` (the hang test finds that name in
-              the rank's stack file)
 Without TITAN_TEST_ACTION it is train.py. Everything else is train.py's: the config check, the Trainer, run_main
 and its exit codes.
 """
@@ -28,10 +27,6 @@ from titan.metrics.log import current_rank  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
 
 
-def stall_after_step() -> None:
-    time.sleep(600)
-
-
 def wait_for_forwarded_signal(trainer: Trainer) -> None:
     while trainer.stopper.signals.signum is None:
         time.sleep(0.01)
@@ -43,8 +38,6 @@ def act(trainer: Trainer, action: str) -> None:
     elif action == "launcher":
         os.kill(os.getppid(), signal.SIGTERM)
         wait_for_forwarded_signal(trainer)
-    elif action == "stall":
-        stall_after_step()
     else:
         raise ValueError(f"TITAN_TEST_ACTION names an unknown action {action!r}")
 

@@ -49,6 +49,8 @@ from titan.config.errors import ConfigError
 from titan.config.job import CHECKPOINT_PARTS, Checkpoint
 from titan.config.paths import checkpoint_root, is_url
 from titan.data.tokenizer import Tokenizer
+from titan.exits import EXIT_SAVE_FAILED, KnownStop
+from titan.metrics.goodput import attempt_number
 from titan.metrics.log import logger
 
 # Single-process runs have no process group and pass no_dist=True on purpose; DCP still warns about it per call.
@@ -64,6 +66,14 @@ under dp_rank_<r>)."""
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be loaded into this run: wrong shapes, or missing or corrupt files. Exits with 2
     like a config mistake, since the fix is the user's (the right folder, step or model)."""
+
+
+class SaveFailed(KnownStop):
+    """Writing a checkpoint failed once training had started: the folder was writable before step 1 (check_access),
+    so this is an outage of the storage, not a mistake. Exit code 6, which titan.launch restarts from the newest
+    complete checkpoint when --max-restarts allows."""
+
+    exit_code = EXIT_SAVE_FAILED
 
 
 @dataclass
@@ -227,8 +237,11 @@ class Checkpointer:
         try:
             self.steps.check_access(self.rank)
         except Exception as error:  # noqa: BLE001 - whatever the backend raises, the fix is the user's
-            raise CheckpointError([f"--checkpoint.folder {self.root} is not writable from rank {self.rank} "
-                                   f"({root_cause(self.root, error)})."]) from error
+            problem = f"--checkpoint.folder {self.root} is not writable from rank {self.rank} "
+            if attempt_number() > 0:  # it was when the job started: an outage, which a later restart may outlast
+                raise SaveFailed(f"{problem}({root_cause(self.root, error)}), though it was when this job started "
+                                 f"(this is restart {attempt_number()}).") from error
+            raise CheckpointError([f"{problem}({root_cause(self.root, error)})."]) from error
 
     def location(self, step: int) -> str:
         """Where the checkpoint of `step` is, once published."""
@@ -287,16 +300,16 @@ class Checkpointer:
 
     @contextmanager
     def reporting_save_failure(self, step: int) -> Iterator[None]:
-        """Turn a failed write of `step` into a CheckpointError naming where it went and what is still there: nothing
-        was published, and older checkpoints are only deleted after a newer one is."""
+        """Turn a failed write of `step` into SaveFailed naming where it went and what is still there: nothing was
+        published, and older checkpoints are only deleted after a newer one is."""
         try:
             yield
         except (Exception, CheckpointException) as error:  # CheckpointException (per-rank failures) is a BaseException
             steps = self.steps.complete_steps()
             kept = (f"the newest complete checkpoint, {self.location(steps[-1])}, is intact, and rerunning the same "
                     f"command resumes from it" if steps else "no earlier checkpoint exists")
-            raise CheckpointError([f"Saving the checkpoint of step {step} to {self.location(step)} failed "
-                                   f"({root_cause(self.root, error)}). It was not published: {kept}."]) from error
+            raise SaveFailed(f"Saving the checkpoint of step {step} to {self.location(step)} failed "
+                             f"({root_cause(self.root, error)}). It was not published: {kept}.") from error
 
     def save_hf(self, step: int) -> None:
         """Export the last step as a Hugging Face folder, every rank writing its own shards. Blocking: it is the last

@@ -273,6 +273,13 @@ class Metrics:
     """TensorBoard folder inside the dump folder."""
     disable_color_printing: bool = False
     """Print console metrics without ANSI colours (they are only used when stdout is a terminal)."""
+    straggler_threshold: Fraction = 0.7
+    """Name a rank, once, in a warning with its host, when its relative performance (the median rank's optimizer-step
+    time over its own, each the median over the last --metrics.straggler_window logged steps) falls below this; 0.7
+    is NVIDIA's resiliency extension's default. The optimizer step is timed because no collective runs in it: a
+    whole step takes every rank of a synchronous job the same time, the fast ones waiting for the slow one. 0: off."""
+    straggler_window: Count = 5
+    """Logged steps whose optimizer-step times --metrics.straggler_threshold compares (their median, per rank)."""
     enable_wandb: bool = False
     """Also log metrics, evaluations and anomalies to Weights & Biases (the wandb extra: pip install -e ".[wandb]").
     W&B's environment picks the project (WANDB_PROJECT, default titan), entity, run name (default: the dump
@@ -503,6 +510,40 @@ class Compile:
     Fixes NaN losses seen with float8 rowwise + torch.compile + RMSNorm; slightly slower."""
 
 
+FaultKind = Literal["none", "kill", "hang", "sigstop", "storage", "slow", "random"]
+
+
+@dataclass
+class Fault:
+    kind: FaultKind = "none"
+    """Inject a fault, to test recovery (--max-restarts) on a cluster; nothing is injected unless asked, and the log
+    says when it is. kill: SIGKILL --fault.rank. hang: --fault.rank sleeps in its training thread, so its peers wait in
+    their next collective and the watchdog ends the attempt with code 5. sigstop: --fault.rank stops itself (SIGSTOP;
+    its own watchdog stops too, its peers' fire). storage: the local checkpoint folder is swapped for a file for
+    --fault.storage_seconds, so that saves fail (a read-only folder would not stop root). slow: --fault.rank's
+    optimizer steps take --fault.slow_seconds longer from then on (a straggler). random: a kill, hang or
+    sigstop of a random rank, at random times --fault.mean_interval_seconds apart on average."""
+    rank: NonNegativeInt = 0
+    """The rank that fails (kill, hang, sigstop), or that swaps the checkpoint folder (storage)."""
+    step: NonNegativeInt = 0
+    """Inject at the end of this step, after it trained and before its checkpoint is saved. 0: at
+    --fault.after_seconds instead."""
+    after_seconds: NonNegativeFloat = 0.0
+    """Inject this many seconds after the attempt's first step ended (with --fault.step 0)."""
+    storage_seconds: PositiveFloat = 60.0
+    """How long the storage fault lasts, in seconds."""
+    slow_seconds: PositiveFloat = 0.1
+    """What the slow fault adds to each optimizer step of --fault.rank, in seconds."""
+    mean_interval_seconds: PositiveFloat = 60.0
+    """Mean time between random faults, in seconds of training (exponentially distributed, as in Clockwork's
+    benchmark)."""
+    seed: Seed = 0
+    """Seed of the random faults' times, ranks and kinds (each attempt draws its own)."""
+    every_attempt: bool = False
+    """Inject again in each restarted attempt (to spend a restart budget). Off: only the first attempt of a launch,
+    so that a restart recovers. Random faults always draw anew in each attempt."""
+
+
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
@@ -523,3 +564,4 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     compile: Compile = field(default_factory=Compile)
     estimate: Estimate = field(default_factory=Estimate)
+    fault: Fault = field(default_factory=Fault)

@@ -793,6 +793,27 @@ def check_spike_rollback(cfg: JobConfig, world_size: int) -> str | None:
     return None
 
 
+def check_fault(cfg: JobConfig, world_size: int) -> list[str]:
+    fault, problems = cfg.fault, []
+    if fault.kind in ("none", "random"):
+        return problems
+    if fault.step == 0 and fault.after_seconds == 0:
+        problems.append(f"--fault.kind {fault.kind} needs a time to strike: --fault.step (the end of that step) or "
+                        f"--fault.after_seconds (after the first step). Try --fault.step 5.")
+    if fault.rank >= world_size:
+        problems.append(f"--fault.rank {fault.rank} is not a rank of this job (ranks 0 to {world_size - 1}). Try "
+                        f"--fault.rank {world_size - 1}.")
+    if fault.kind == "storage" and not cfg.checkpoint.enable:
+        problems.append("--fault.kind storage makes checkpoint saves fail, but --checkpoint.enable is off. Add "
+                        "--checkpoint.enable.")
+    if fault.kind == "storage" and is_url(cfg.checkpoint.folder):
+        problems.append(f"--fault.kind storage swaps a local --checkpoint.folder for a file; "
+                        f"{cfg.checkpoint.folder!r} is on object storage, whose outage Titan cannot cause. Make the "
+                        f"server refuse requests instead (the tests' S3 server: tests/harness/s3_server.py), or use "
+                        f"a local folder.")
+    return problems
+
+
 def mixture_of_experts_flavors() -> str:
     """The registered flavors with experts, for messages: "--model.name qwen3 with --model.flavor debugmodel_moe,
     30B-A3B or 235B-A22B"."""
@@ -817,7 +838,7 @@ RULES: tuple[Rule, ...] = (
     check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_context_parallel,
     check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather, check_checkpoint,
     check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths, check_validation_dataset_path,
-    check_validation_pipeline, check_validation_seq_len,
+    check_validation_pipeline, check_validation_seq_len, check_fault,
 )
 HARDWARE_RULES: tuple[HardwareRule, ...] = (
     check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from titan.config.job import Metrics
+from titan.metrics.goodput import summary
 from titan.metrics.log import logger
 
 Record = dict[str, float | int | dict[str, int] | dict[str, list[int]] | None]
@@ -27,6 +28,10 @@ RECORD_KEYS = ("step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu_pct", "m
                "moe_imbalance", "tokens_per_expert", "mtp_loss")
 # An evaluation's record (titan/train/evaluate.py) has these keys instead, at the training step it followed.
 VALIDATION_KEYS = ("step", "val_loss", "val_perplexity", "val_tokens", "val_seconds")
+# The job's goodput (titan/metrics/goodput.py), written when an attempt ends, has these keys, at its last step: the
+# wall time of every attempt so far and its split into categories that tile it, the steps trained again, restarts.
+GOODPUT_KEYS = ("step", "goodput_pct", "wall_s", "productive_s", "lost_s", "checkpoint_s", "evaluation_s", "startup_s",
+                "restart_s", "steps_lost", "restarts", "launches")
 # A skipped, rolled-back, stopping or logged-spike step's record is its line of anomalies.jsonl
 # (titan/train/anomalies.py Anomaly.record), written before that step's training record. The console (the guard
 # logs a warning) and metrics.jsonl (anomalies.jsonl has it) leave it out.
@@ -40,12 +45,18 @@ def is_anomaly(record: Record) -> bool:
     return "action" in record
 
 
+def is_goodput(record: Record) -> bool:
+    return "goodput_pct" in record
+
+
 def tagged_values(record: Record) -> dict[str, Any]:
     """The record's values by tag, as TensorBoard and W&B show them: train/<key>, val/<key> for an evaluation,
-    anomaly/<key> for an anomaly; a dict of numbers (tokens_by_source) as one tag per entry. None values are left
-    out, and so are lists (tokens_per_expert), which only the JSONL keeps whole."""
+    goodput/<key> for the job's goodput, anomaly/<key> for an anomaly; a dict of numbers (tokens_by_source) as one
+    tag per entry. None values are left out, and so are lists (tokens_per_expert), which only the JSONL keeps whole."""
     if is_anomaly(record):
         return {f"anomaly/{key}": value for key, value in record.items() if key != "step"}
+    if is_goodput(record):
+        return {f"goodput/{key}": value for key, value in record.items() if key != "step"}
     prefix, strip = ("val", "val_") if is_validation(record) else ("train", "")
     tagged: dict[str, Any] = {}
     for key, value in record.items():
@@ -78,6 +89,9 @@ class ConsoleSink:
             return
         if is_validation(record):
             self.write_validation(record)
+            return
+        if is_goodput(record):
+            logger.info(summary(record))
             return
         parts = [
             ("step", f"step {record['step']:>5}"),

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,21 @@ def resolve_dims(par: Parallelism, world_size: int, cpu_offload: bool) -> Parall
                         force_fsdp=par.force_fsdp or cpu_offload)
 
 
+def attempt_store() -> dict[str, Any]:
+    """init_process_group's store for a restarted attempt under torchrun (--max-restarts): the agent's store, which
+    outlives the attempts, under a prefix of this attempt. Without it, gloo's connection to its peers reads the
+    addresses the previous attempt's ranks left in the store and retries them until it fails ("Connection refused").
+    The first attempt, and a store that is not the agent's (rank 0 then hosts a new one), use env:// unchanged."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                is_master=False)
+    return {"store": dist.PrefixStore(f"titan/attempt_{attempt}", agent_store), "rank": int(os.environ["RANK"]),
+            "world_size": world_size}
+
+
 def init_distributed(comm: Comm, device: torch.device, dims: ParallelDims, dump_folder: Path,
                      cpu_collectives: bool = False) -> None:
     """Join the process group (nccl on CUDA, gloo on CPU) when there is more than one process, or a group of this
@@ -101,7 +117,7 @@ def init_distributed(comm: Comm, device: torch.device, dims: ParallelDims, dump_
     enable_flight_recorder(comm, dump_folder)
     backend = "gloo" if device.type != "cuda" else "cuda:nccl,cpu:gloo" if cpu_collectives else "nccl"
     # One process needs no rendezvous: an in-memory store, also outside torchrun.
-    store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if dims.world_size == 1 else {}
+    store = {"store": dist.HashStore(), "rank": 0, "world_size": 1} if dims.world_size == 1 else attempt_store()
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=comm.init_timeout_seconds),
                             device_id=device if device.type == "cuda" else None, **store)
     logger.info(f"Joined a {backend} process group of {dims.world_size} ranks (rank {dist.get_rank()}, "

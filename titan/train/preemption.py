@@ -30,7 +30,7 @@ import torch.distributed as dist
 from titan.checkpoint.dcp import Checkpointer, TrainState
 from titan.config.domain import parse_duration
 from titan.config.job import Checkpoint, Comm, Job
-from titan.exits import EXIT_STOPPED_EARLY, STOP_SIGNALS, KnownStop
+from titan.exits import EXIT_STOPPED_EARLY, STOP_SIGNALS, KnownStop, stop_signal_received
 from titan.metrics.log import current_rank, logger
 from titan.metrics.sinks import format_duration
 from titan.parallel.dims import Meshes, build_host_group, set_collective_timeout
@@ -77,6 +77,7 @@ class SignalFlag:
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum, self.received_at = signum, time.monotonic()
+            stop_signal_received.set()
             logger.warning(f"Rank {self.rank} received {name}: {self.plan()}. A second {name} exits at once, "
                            f"without saving.")
         elif signum == self.signum and time.monotonic() - self.received_at >= REPEAT_AFTER_SECONDS:

@@ -21,6 +21,7 @@ from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig, Training
 from titan.metrics.log import logger
+from titan.metrics.throughput import Mark, mark_now, seconds_between
 from titan.models.common.attention import document_layout, sequence_positions
 from titan.models.common.batch import MicroBatch
 from titan.models.common.decoder import tie_output
@@ -99,6 +100,8 @@ class TrainingStep:
     """What the last compute_gradients multiplied each micro-batch's summed loss by."""
     last_mtp_loss: Readback | None = None
     """The last updated step's multi-token prediction loss on its way to the host; None without MTP modules."""
+    update_marks: tuple[Mark, Mark] | None = None
+    """Marks before and after the last optimizer step on the device (last_update_seconds)."""
 
     @property
     def model(self) -> nn.Module:
@@ -202,6 +205,7 @@ class TrainingStep:
         """The optimizer step of the gradients just computed, unless `skip` (a 0-dim bool on the device; None:
         never) is set, and what converted layers need after it. The LR schedule is the caller's: it steps once the
         host knows the update applied."""
+        start = mark_now(self.device)
         if skip is None:
             self.optimizer.step()
         elif self.skips_on_device:
@@ -213,6 +217,7 @@ class TrainingStep:
                 del self.optimizer.found_inf  # Adam reads the attribute at every step() while it is set
         elif not skip.item():  # foreach and for-loop Adam have no found_inf: the host waits for the flag
             self.optimizer.step()
+        self.update_marks = (start, mark_now(self.device))
         self.model_parts.conversion.after_optimizer_step(self.model)
         if self.balancer is not None:
             self.balancer.after_optimizer_step(skip)
@@ -231,6 +236,11 @@ class TrainingStep:
         norm and skip flag to the host, which reads them a step later without waiting for the device."""
         self.apply_update(skip)
         return Readback(torch.stack([loss, grad_norm.float(), skip.float()]))
+
+    def last_update_seconds(self) -> float:
+        """How long the last optimizer step took on this rank's device (done once its loss has been read: the copy
+        is queued behind it). No collective runs in it, so unlike a whole step's time it is this rank's own speed."""
+        return seconds_between(*self.update_marks)
 
     def model_metrics(self) -> dict[str, object]:
         """What the model reports about the last step beyond the loss (a mixture of experts' load, the multi-token

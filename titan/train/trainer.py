@@ -13,10 +13,21 @@ from typing import Any, NoReturn
 import torch
 
 from titan.checkpoint.dcp import Checkpointer, TrainState
+from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import to_toml
+from titan.config.paths import checkpoint_root
 from titan.data.loader import build_dataloader, build_validation_batches
 from titan.data.tokenizer import build_tokenizer
+from titan.exits import KnownStop
+from titan.metrics.goodput import (
+    EventLog,
+    attempt_number,
+    launch_time,
+    measure_goodput,
+    process_start_time,
+    read_events,
+)
 from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
@@ -25,11 +36,13 @@ from titan.models.common.batch import MicroBatch
 from titan.parallel.dims import build_device, data_parallel_rank, init_distributed, resolve_dims, set_collective_timeout
 from titan.train.anomalies import Anomaly, AnomalyGuard
 from titan.train.evaluate import EvalResult, evaluate
+from titan.train.faults import FaultInjector
 from titan.train.garbage import ScheduledCollector
 from titan.train.nan_guard import stop_hints
 from titan.train.preemption import Stopper
 from titan.train.readback import Readback
 from titan.train.step import build_training_step
+from titan.train.stragglers import StragglerWatch
 
 
 def write_config(cfg: JobConfig, dump_folder: Path) -> None:
@@ -83,6 +96,10 @@ class Trainer:
         self.device = build_device()
         self.dims = resolve_dims(cfg.parallelism, world_size, cfg.training.enable_cpu_offload)
         self.dump_folder = Path(cfg.job.dump_folder)
+        # The goodput log (rank 0's): this process's start, and each stage of its way to the first step.
+        self.events = EventLog(self.dump_folder, enabled=self.rank == 0)
+        self.events.write("start", t=process_start_time(), launch=launch_time(), attempt=attempt_number())
+        self.events.write("init")
         self.stopper = Stopper(cfg.job, cfg.comm, cfg.checkpoint, cfg.training.steps, self.dump_folder, world_size)
         init_distributed(cfg.comm, self.device, self.dims, self.dump_folder,
                          cpu_collectives=cfg.training.enable_cpu_offload)
@@ -91,6 +108,7 @@ class Trainer:
         self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
                                             self.tokenizer.eos_id)
         set_collective_timeout(self.training.meshes, cfg.comm.init_timeout_seconds)
+        self.events.write("built")
 
         dp_rank, dp_degree = data_parallel_rank(self.training.meshes)
         self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree,
@@ -102,6 +120,10 @@ class Trainer:
                                          self.training.optimizer, self.training.lr_scheduler, self.dataloader,
                                          self.device, dp_degree, model_parts.fqns, self.tokenizer)
         resumed = self.checkpointer.load() if not cfg.checkpoint.create_seed_checkpoint else TrainState()
+        self.events.write("loaded", step=resumed.step)
+        checkpoint_folder = Path(checkpoint_root(cfg.checkpoint.folder, self.dump_folder))
+        self.faults = FaultInjector(cfg.fault, self.rank, world_size, checkpoint_folder, self.dump_folder,
+                                    self.training.optimizer)
 
         self.meter = ThroughputMeter(model_parts.flops_per_token, self.device, cfg.training.steps)
         # A run that starts over gets a new id; a resumed one keeps its checkpoint's (rank 0's, which is saved).
@@ -111,6 +133,8 @@ class Trainer:
                                       stop_hints(cfg.model.converters, cfg.compile.enable, cfg.training.max_norm),
                                       resumed.spike_losses, resumed.num_skipped)
         self.collector = ScheduledCollector(cfg.training.gc_freq)
+        self.stragglers = StragglerWatch(cfg.metrics.straggler_threshold, cfg.metrics.straggler_window, self.rank,
+                                         world_size)
         self.step = resumed.step
         self.tokens_seen = resumed.tokens_seen
         self.current_lr = cfg.optimizer.lr
@@ -137,7 +161,9 @@ class Trainer:
         snapshotter = build_memory_snapshotter(self.cfg.profiling, self.dump_folder, self.rank)
         with maybe_profile(self.cfg.profiling, self.dump_folder, self.rank) as profiler, \
                 self.stopper.watching(self.training.meshes), self.collector:
+            ended = False
             try:
+                self.events.write("ready")
                 self.meter.start()
                 while self.step < total:
                     self.step += 1
@@ -149,12 +175,21 @@ class Trainer:
                     stop = self.stopper.end_step(self.step, saving=saving)
                     if stop is not None:
                         rolled_back = self.finish_rolled_back() or rolled_back
+                    self.events.write("step", step=self.step)
                     if not rolled_back:
                         self.after_step(profiler, snapshotter)
+                    self.faults.step_ended(self.step)
                     if stop is not None:
                         self.stopper.stop(stop, self.checkpointer, self.train_state())
                 self.finish_step()
+                ended = True
+            except (KnownStop, ConfigError):
+                ended = True  # a stop that explains itself; any other error is the launcher's to record
+                raise
             finally:
+                if ended:
+                    self.record_goodput()
+                self.events.close()
                 self.dataloader.close()
                 self.checkpointer.close()
                 for sink in self.sinks:
@@ -284,8 +319,11 @@ class Trainer:
         rates = self.meter.window(step)
         step_s = rates.pop("step_s")
         record.update(rates)
-        # Every rank logs the same steps: one all-reduce tells the fastest and the slowest rank's time (stragglers).
-        slowest, minus_fastest = self.stopper.agree([step_s, -step_s])
+        # Every rank logs the same steps: one all-reduce tells the fastest and the slowest rank's time, and every
+        # rank's optimizer-step time (stragglers).
+        update_slots = self.stragglers.slots(self.training.last_update_seconds())
+        slowest, minus_fastest, *update_medians = self.stopper.agree([step_s, -step_s, *update_slots])
+        self.stragglers.judge(update_medians)
         record.update(step_time_min_s=-minus_fastest, step_time_max_s=slowest)
         record["gc_pause_s"] = self.collector.take_pause_seconds()
         tokens_by_source = pending.tokens_by_source
@@ -298,10 +336,20 @@ class Trainer:
         for sink in self.sinks:
             sink.write(record)
 
+    def record_goodput(self) -> None:
+        """Mark this attempt's end in the goodput log and hand the job's goodput so far, every attempt's, to the
+        sinks (rank 0, which keeps the log)."""
+        self.events.write("end")
+        if self.rank == 0:
+            goodput = measure_goodput(read_events(self.dump_folder), now=time.time())
+            self.write_record(goodput.record(self.step))
+
     def after_step(self, profiler: Any, snapshotter: Any) -> None:
-        """Evaluate, profile, collect garbage and save as this step calls for."""
+        """Evaluate, profile, collect garbage and save as this step calls for; evaluations and saves are events of the
+        goodput log."""
         if self.should_validate():
             self.validate()
+            self.events.write("eval", step=self.step)
         if profiler is not None:
             profiler.step()
         if snapshotter is not None:
@@ -313,6 +361,7 @@ class Trainer:
             start = time.perf_counter()
             self.checkpointer.save(self.train_state(), last_step=total)
             self.meter.exclude(time.perf_counter() - start)
+            self.events.write("save", step=self.step)
 
     def should_validate(self) -> bool:
         v = self.cfg.validation
