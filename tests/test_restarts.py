@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from titan.checkpoint.storage import MARKER
 from titan.metrics.goodput import CATEGORIES, measure_goodput, read_events
 
 from harness.fsdp2_job import STEPS, launch_job
@@ -44,19 +45,20 @@ def s3_server() -> Iterator[S3Server]:
 def test_a_killed_rank_then_a_refused_save_restart_and_the_job_matches_an_uninterrupted_run(
         tmp_path: Path, s3_server: S3Server, straight_losses: dict[int, float]) -> None:
     """Checkpoints on S3 every 5 steps. Rank 1 is SIGKILLed at the end of step 7: the launcher names it and restarts
-    every rank from step 5. Then the S3 server refuses the first upload of step 10: every rank stops with code 6
-    naming the URL and the intact step 5, and the second restart resumes from step 5 again. The job ends with code 0
-    and the straight run's losses. Its goodput record's categories add up to its wall time, which is the launch's as
-    measured here, and the steps lost are the steps trained more than once."""
+    every rank from step 5. Then the S3 server refuses step 10's marker, the object that publishes it, once every
+    file and the metadata are written: rank 0 stops with code 6 naming the URL and the intact step 5, and the second
+    restart ignores the unpublished step 10 and resumes from step 5 again. The job ends with code 0 and the straight
+    run's losses. Its goodput record's categories add up to its wall time, which is the launch's as measured here,
+    and the steps lost are the steps trained more than once."""
     refused: list[str] = []
 
-    def refuse_step_10_once(method: str, path: str) -> int | None:
-        if method == "PUT" and "/run/step-10/" in path and not refused:
+    def refuse_step_10_marker_once(method: str, path: str) -> int | None:
+        if method == "PUT" and path.endswith(f"/run/step-10/{MARKER}") and not refused:
             refused.append(path)
             return 503
         return None
 
-    s3_server.hook = refuse_step_10_once
+    s3_server.hook = refuse_step_10_marker_once
     subprocess.run([sys.executable, "-c", "import fsspec; fsspec.filesystem('s3').mkdir('titan-restarts')"],
                    env={**os.environ, **s3_server.env}, check=True)
     url = "s3://titan-restarts/run"
@@ -71,9 +73,13 @@ def test_a_killed_rank_then_a_refused_save_restart_and_the_job_matches_an_uninte
             "resumes from the newest complete checkpoint.") in output
     assert refused and f"Saving the checkpoint of step 10 to {url}/step-10 failed" in output
     assert f"It was not published: the newest complete checkpoint, {url}/step-5, is intact" in output
-    assert "Restart 2 of 2 (--max-restarts): rank " in output
-    assert "exited with code 6 (failed to save a checkpoint), after step 10. Every rank restarts" in output
+    assert ("Restart 2 of 2 (--max-restarts): rank 0 exited with code 6 (failed to save a checkpoint), after step 10. "
+            "Every rank restarts") in output
+    assert f"Ignoring incomplete checkpoint {url}/step-10" in output
     assert output.count(f"Loaded {url}/step-5: step 5,") == 2
+    listed = subprocess.run([sys.executable, "-c", f"import fsspec; print(fsspec.filesystem('s3').ls({url!r}))"],
+                            env={**os.environ, **s3_server.env}, capture_output=True, text=True, check=True).stdout
+    assert "step-10" in listed and "step-5" in listed
     assert losses_by_step(tmp_path) == straight_losses
     trained = steps_trained(tmp_path)
     assert trained == [*range(1, 8), *range(6, STEPS + 1), *range(6, STEPS + 1)]
@@ -93,12 +99,12 @@ def test_a_hung_rank_ends_the_attempt_with_its_stacks_and_the_restart_recovers(t
     both watchdogs write their stacks and flight-recorder dumps (rank 0 waits in the collective after the last one
     rank 1 ran) and exit 5 without a gloo timeout, and the restart finishes the job with the straight run's losses."""
     result = launch_job(tmp_path, "--fault.kind", "hang", "--fault.rank", "1", "--fault.step", "7",
-                        "--comm.train_timeout_seconds", "3")
+                        "--comm.train_timeout_seconds", "2")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     stacks = {rank: (tmp_path / "hang" / f"rank_{rank}.txt").read_text() for rank in (0, 1)}
     assert "in hang_forever" in stacks[1] and "in hang_forever" not in stacks[0]
-    assert "the run made no progress for 3s" in output
+    assert "the run made no progress for 2s" in output
     assert "Every rank completed step 7, so all of them are stuck inside step 8" in output
     entries = {rank: pickle.loads((tmp_path / "comm_traces" / f"gloo_rank_{rank}").read_bytes())["entries"]
                for rank in (0, 1)}

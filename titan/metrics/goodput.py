@@ -20,7 +20,7 @@ queue wait, is not the job's) is split into categories that tile it, after MaxTe
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +97,8 @@ class Attempt:
     launch: float
     start: float
     ready: float | None = None
-    steps: list[tuple[int, float, float]] | None = None
-    """(step, seconds of training, end time) of each step it finished, in order."""
+    steps: list[tuple[int, float]] = field(default_factory=list)
+    """(step, seconds of training) of each step it finished, in order."""
     checkpoint_s: float = 0.0
     evaluation_s: float = 0.0
     last: float = 0.0
@@ -142,7 +142,7 @@ def split_attempts(events: list[dict[str, Any]]) -> list[Attempt]:
     for event in events:
         kind, t = event.get("event"), event.get("t", 0.0)
         if kind == "start":
-            attempts.append(Attempt(launch=event.get("launch", t), start=t, steps=[], last=t))
+            attempts.append(Attempt(launch=event.get("launch", t), start=t, last=t))
             continue
         if not attempts or kind == "fault":
             continue
@@ -154,7 +154,7 @@ def split_attempts(events: list[dict[str, Any]]) -> list[Attempt]:
         if kind == "ready":
             attempt.ready = t
         elif kind == "step":
-            attempt.steps.append((event["step"], seconds, t))
+            attempt.steps.append((event["step"], seconds))
         elif kind == "save":
             attempt.checkpoint_s += seconds
         elif kind == "eval":
@@ -183,17 +183,17 @@ def measure_goodput(events: list[dict[str, Any]], now: float) -> Goodput:
             totals["restart_s"] += gap
             wall += gap
         wall += end - attempt.start
-        trained = sum(seconds for _, seconds, _ in attempt.steps)
+        trained = sum(seconds for _, seconds in attempt.steps)
         first_step = attempt.ready or end
-        last_training = attempt.last if attempt.ready else first_step
+        training_end = attempt.last if attempt.ready else first_step
         totals["startup_s"] += first_step - attempt.start
         totals["checkpoint_s"] += attempt.checkpoint_s
         totals["evaluation_s"] += attempt.evaluation_s
         totals["productive_s"] += trained  # less the lost steps, below
-        totals["lost_s" if attempt.failed else "startup_s"] += max(end - last_training, 0.0)
+        totals["lost_s" if attempt.failed else "startup_s"] += max(end - training_end, 0.0)
         previous = attempt
     last_training: dict[int, int] = {}
-    trainings = [(step, seconds) for attempt in attempts for step, seconds, _ in attempt.steps]
+    trainings = [training for attempt in attempts for training in attempt.steps]
     for index, (step, _) in enumerate(trainings):
         last_training[step] = index
     lost = [seconds for index, (step, seconds) in enumerate(trainings) if last_training[step] != index]
