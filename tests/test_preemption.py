@@ -25,7 +25,7 @@ from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
 from titan.train.watchdog import Watchdog
 
-from harness.fsdp2_job import CHECKPOINT_INTERVAL, JOB, STEPS
+from harness.fsdp2_job import CHECKPOINT_INTERVAL, JOB, STEPS, launch_job
 from harness.train_script import ROOT, losses_by_step, metric_records
 
 STOP_STEP = 7
@@ -65,18 +65,13 @@ def act_after_step(trainer: Trainer, step: int, action: Callable[[], None], monk
     monkeypatch.setattr(trainer, "train_step", train_step_then_act)
 
 
-def launch(nprocs: int, action: str | None, folder: Path, *flags: str, max_restarts: int = 2
-           ) -> subprocess.CompletedProcess:
-    """tests/harness/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) under
-    titan.launch, the launcher run_train.sh runs, with a restart budget: a stop is not restarted."""
-    command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
-               f"--max-restarts={max_restarts}",
-               str(ROOT / "tests" / "harness" / "stop_harness.py"), *SMALL, "--job.dump_folder", str(folder), *flags]
-    # One thread per process, as torchrun gives several ranks and as the tests in this process use.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOG_RANK": "0", "OMP_NUM_THREADS": "1"}
-    if action is not None:
-        env["TITAN_TEST_ACTION"] = action
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+def launch(nprocs: int, action: str | None, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    """tests/harness/stop_harness.py (train.py doing `action` at one step on one rank, or nothing for None) on
+    harness/fsdp2_job.py's job (one rank: without FSDP) under titan.launch, with a restart budget: a stop is not
+    restarted."""
+    one_rank = ["--parallelism.data_parallel_shard_degree", "1"] if nprocs == 1 else []
+    return launch_job(folder, *one_rank, *flags, script=ROOT / "tests" / "harness" / "stop_harness.py",
+                      nprocs=nprocs, env={"TITAN_TEST_ACTION": action} if action is not None else {})
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -35,9 +35,11 @@ EXIT_RESTARTS_SPENT = 7
 """The launcher restarted the job --max-restarts times and it failed once more (titan/launch.py)."""
 KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG, EXIT_SAVE_FAILED)
 """Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
-NOT_RETRIED_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY)
+NOT_RETRIED = {EXIT_USER_MISTAKE: "a config or data mistake would fail again",
+               EXIT_DIVERGED: "a diverged run would diverge again",
+               EXIT_STOPPED_EARLY: "the job was asked to stop (a signal or --job.time_limit)"}
 """Failures an in-job restart would only repeat (a mistake, a divergence) or that asked the job to end (a stop
-signal, --job.time_limit): the launcher ends the job with their code instead of restarting it."""
+signal, --job.time_limit), each with why: the launcher ends the job with their code instead of restarting it."""
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """What a scheduler sends before it kills a job (Slurm: SIGTERM, or SIGUSR1 with --signal; Kubernetes: SIGTERM), and

@@ -43,7 +43,15 @@ from titan.config.errors import ConfigError
 from titan.config.load import parse_args as parse_titan_args
 from titan.config.print_config import print_config
 from titan.dry_run import dry_run
-from titan.exits import EXIT_RESTARTS_SPENT, KNOWN_EXIT_CODES, NOT_RETRIED_EXIT_CODES, STOP_SIGNALS, run_main
+from titan.exits import (
+    EXIT_HUNG,
+    EXIT_RESTARTS_SPENT,
+    EXIT_SAVE_FAILED,
+    KNOWN_EXIT_CODES,
+    NOT_RETRIED,
+    STOP_SIGNALS,
+    run_main,
+)
 from titan.metrics.goodput import LAUNCH_TIME_ENV, EventLog, measure_goodput, process_start_time, read_events, summary
 from titan.metrics.log import init_logger, logger, logging_ranks
 
@@ -94,9 +102,8 @@ def first_explained_failure(failures: dict[int, ProcessFailure]) -> tuple[int, P
     return (explained or ordered)[0]
 
 
-NOT_RETRIED_BECAUSE = {2: "a config or data mistake would fail again", 3: "a diverged run would diverge again",
-                       4: "the job was asked to stop (a signal or --job.time_limit)"}
-EXIT_MEANINGS = {1: "crashed", 5: "hung", 6: "failed to save a checkpoint"}
+EXIT_MEANINGS = {1: "crashed", EXIT_HUNG: "hung", EXIT_SAVE_FAILED: "failed to save a checkpoint"}
+"""What the retried exit codes say of a rank, for the restart messages (1: an uncaught error)."""
 
 
 def describe_exit(failure: ProcessFailure) -> str:
@@ -107,9 +114,10 @@ def describe_exit(failure: ProcessFailure) -> str:
     return f"exited with code {failure.exitcode}" + (f" ({meaning})" if meaning else "")
 
 
-def last_finished_step(dump_folder: Path) -> int | None:
-    """The last step rank 0 finished, from the goodput log; None before any (or with the log on another node)."""
-    steps = [event["step"] for event in read_events(dump_folder) if event.get("event") == "step"]
+def last_finished_step(events: list[dict]) -> int | None:
+    """The last step rank 0 finished, from the goodput log's events; None before any (or with the log on another
+    node)."""
+    steps = [event["step"] for event in events if event.get("event") == "step"]
     return steps[-1] if steps else None
 
 
@@ -135,15 +143,15 @@ class RestartPolicy:
             events = EventLog(self.dump_folder, enabled=True)
             events.write("failure", rank=rank, code=code)
             events.close()
-        step = last_finished_step(self.dump_folder)
+        step = last_finished_step(read_events(self.dump_folder))
         self.last_failure = (f"rank {rank} {describe_exit(failure)}, "
                              + (f"after step {step}" if step is not None else "before finishing a step"))
         self.restarting = False
         if self.max_restarts == 0:
             return 0
-        if code in NOT_RETRIED_EXIT_CODES:
+        if code in NOT_RETRIED:
             logger.error(f"Rank {rank} exited with code {code}, which ends the job without a restart "
-                         f"(--max-restarts {self.max_restarts}): {NOT_RETRIED_BECAUSE[code]}.")
+                         f"(--max-restarts {self.max_restarts}): {NOT_RETRIED[code]}.")
             return 0
         if remaining == 0:
             self.budget_spent = True
@@ -154,12 +162,18 @@ class RestartPolicy:
         return remaining
 
 
-def process_state(pid: int) -> str | None:
-    """The state letter of /proc/<pid>/stat (R, S, T stopped, Z exited and not yet reaped), None if it is gone."""
+def stat_fields(stat: Path) -> list[str] | None:
+    """The fields of a /proc/<pid>/stat file after "pid (name)": state, ppid, ...; None once the process is gone."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return stat.read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of a process (R, S, T stopped, Z exited and not yet reaped), None if it is gone."""
+    fields = stat_fields(Path(f"/proc/{pid}/stat"))
+    return fields[0] if fields else None
 
 
 def kill_stopped_ranks_after_an_exit(pids: dict[int, int]) -> None:
@@ -223,8 +237,7 @@ def record_goodput_after_failure(dump_folder: Path) -> None:
     starts = [index for index, event in enumerate(events) if event.get("event") == "start"]
     if not starts or any(event.get("event") == "end" for event in events[starts[-1]:]):
         return
-    steps = [event["step"] for event in events if event.get("event") == "step"]
-    record = measure_goodput(events, now=time.time()).record(steps[-1] if steps else 0)
+    record = measure_goodput(events, now=time.time()).record(last_finished_step(events) or 0)
     logger.info(summary(record))
     with (dump_folder / "metrics.jsonl").open("a") as file:
         file.write(json.dumps(record) + "\n")
@@ -241,11 +254,8 @@ def child_pids() -> list[int]:
     me = os.getpid()
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name)": state, then ppid
-        except OSError:  # exited while we looked
-            continue
-        if parent == me:
+        fields = stat_fields(stat)
+        if fields is not None and int(fields[1]) == me:  # None: it exited while we looked
             children.append(int(stat.parent.name))
     return children
 

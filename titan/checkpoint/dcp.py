@@ -237,11 +237,13 @@ class Checkpointer:
         try:
             self.steps.check_access(self.rank)
         except Exception as error:  # noqa: BLE001 - whatever the backend raises, the fix is the user's
-            problem = f"--checkpoint.folder {self.root} is not writable from rank {self.rank} "
-            if attempt_number() > 0:  # it was when the job started: an outage, which a later restart may outlast
-                raise SaveFailed(f"{problem}({root_cause(self.root, error)}), though it was when this job started "
-                                 f"(this is restart {attempt_number()}).") from error
-            raise CheckpointError([f"{problem}({root_cause(self.root, error)})."]) from error
+            problem = (f"--checkpoint.folder {self.root} is not writable from rank {self.rank} "
+                       f"({root_cause(self.root, error)})")
+            attempt = attempt_number()
+            if attempt > 0:  # it was when the job started: an outage, which a later restart may outlast
+                outage = f"{problem}, though it was when this job started (this is restart {attempt})."
+                raise SaveFailed(outage) from error
+            raise CheckpointError([f"{problem}."]) from error
 
     def location(self, step: int) -> str:
         """Where the checkpoint of `step` is, once published."""

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan.config.degrees import resolved_shard_degree
 from titan.config.job import Comm, Parallelism
+from titan.metrics.goodput import attempt_number
 from titan.metrics.log import logger
 
 # Mesh dimension names, outermost first: pipeline stages talk least and may span nodes; TP talks every layer and
@@ -95,7 +96,7 @@ def attempt_store() -> dict[str, Any]:
     outlives the attempts, under a prefix of this attempt. Without it, gloo's connection to its peers reads the
     addresses the previous attempt's ranks left in the store and retries them until it fails ("Connection refused").
     The first attempt, and a store that is not the agent's (rank 0 then hosts a new one), use env:// unchanged."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    attempt = attempt_number()
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     world_size = int(os.environ["WORLD_SIZE"])

@@ -81,7 +81,7 @@ class FaultInjector:
         self.step_strikes = {strike.step: strike for strike in strikes if strike.step and strike.rank == rank}
         self.timed_strikes = [strike for strike in strikes if not strike.step and strike.rank == rank]
         self.pending_hang: Strike | None = None
-        self.started = threading.Event()
+        self.started = False
         if strikes:
             shown = "; ".join(strike.describe() for strike in strikes[:3])
             more = f" (and {len(strikes) - 3} more)" if len(strikes) > 3 else ""
@@ -90,8 +90,8 @@ class FaultInjector:
 
     def step_ended(self, step: int) -> None:
         """At the end of `step`: strike a fault planned for it, or take a timed hang; start the timer once."""
-        if not self.started.is_set():
-            self.started.set()
+        if not self.started:
+            self.started = True
             if self.timed_strikes:
                 threading.Thread(target=self.strike_on_time, name="titan-faults", daemon=True).start()
         strike = self.step_strikes.get(step) or self.pending_hang
