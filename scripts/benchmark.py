@@ -61,6 +61,13 @@ and longest pause, and the steps at which the scheduled ones ran:
 
     python scripts/benchmark.py --gc 2 --steps 60 -- --parallelism.tensor_parallel_degree 2
 
+Fine-tuning on the shipped conversations (docs/sft.md) against pretraining on the shipped documents, on the same
+model and layout, alternating in rounds: tokens/s (median over rounds), the ratio to pretraining (median and range of
+the per-round ratios; masking the prompts costs the step nothing, so it should be within 5%), and the share of the
+targets that carry a loss, counted over the timed batches:
+
+    python scripts/benchmark.py --sft
+
 Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
 """
 
@@ -101,6 +108,7 @@ from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.config.paths import is_url  # noqa: E402
 from titan.config.stages import ideal_bubble_fraction  # noqa: E402
+from titan.data.loader import Batch  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
@@ -144,15 +152,15 @@ def timed_train_steps(trainer: Trainer, data_iterator: Iterator, steps: int) -> 
     return time.perf_counter() - start, [result.loss for result in results if result is not None]
 
 
-def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
+def bare_step(trainer: Trainer) -> Callable[[Batch], None]:
     """A minimal training step on the trainer's own model, loss and optimizer (forward, loss, backward, clip,
     step), without the trainer's data loading, guards and metering: what is left is the trainer's overhead."""
     params = [p for p in trainer.training.model.parameters() if p.requires_grad]
     max_norm = trainer.cfg.training.max_norm
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
+    def step(batch: Batch) -> None:
         trainer.training.optimizer.zero_grad()
-        micro_batch = trainer.training.micro_batch(inputs, labels)
+        micro_batch = trainer.training.micro_batch(*batch)
         with trainer.training.autocast():
             loss_sum = trainer.training.model(micro_batch.inputs, labels=micro_batch.labels,
                                               **micro_batch.model_inputs())
@@ -163,13 +171,13 @@ def bare_step(trainer: Trainer) -> Callable[[torch.Tensor, torch.Tensor], None]:
     return step
 
 
-def time_bare(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def time_bare(trainer: Trainer, batches: list[Batch]) -> float:
     """Seconds for one bare step per batch of `batches` (already on the device)."""
     step = bare_step(trainer)
     synchronize(trainer.device)
     start = time.perf_counter()
-    for inputs, labels in batches:
-        step(inputs, labels)
+    for batch in batches:
+        step(batch)
     synchronize(trainer.device)
     return time.perf_counter() - start
 
@@ -681,6 +689,40 @@ def ablation_table(args: argparse.Namespace, argv: list[str]) -> None:
               f"{ratio_summary(ratios):>22} {peak} {loss_diff:23.2e}")
 
 
+SFT_FLAGS = ["--training.dataset", "chat", "--training.dataset_path",
+             str(ROOT / "titan" / "data" / "corpus" / "stdlib_chats.jsonl.gz")]
+
+
+def loss_share(trainer: Trainer, num_batches: int) -> float:
+    """The share of the next `num_batches` batches' targets that carry a loss, as the step masks them."""
+    iterator = iter(trainer.dataloader)
+    batches = [trainer.training.micro_batch(*next(iterator)) for _ in range(num_batches)]
+    return sum(num_valid_targets(b.labels).item() for b in batches) / sum(b.labels.numel() for b in batches)
+
+
+def sft_table(args: argparse.Namespace, argv: list[str]) -> None:
+    """Pretraining and fine-tuning rows built side by side, `args.warmup` untimed steps each, then `args.repeats`
+    rounds of `args.steps` steps of each in turn."""
+    logger.setLevel(logging.WARNING)  # the table is the output
+    rows = [Contender("pretraining (documents)", [], []), Contender("fine-tuning (conversations)", SFT_FLAGS, [])]
+    for row in rows:
+        row.build(argv)
+        row.run(args.warmup)
+    for _ in range(args.repeats):
+        for row in rows:
+            row.seconds.append(row.run(args.steps))
+    t = rows[0].trainer.cfg.training
+    tokens = t.local_batch_size * t.seq_len * args.steps
+    print(f"{rows[0].trainer.cfg.model.flavor}, {t.local_batch_size} x {t.seq_len} tokens, {t.mixed_precision_param}: "
+          f"{args.repeats} alternating rounds of {args.steps} steps after {args.warmup} warm-up steps")
+    print(f"{'':<28} {'tokens/s':>9} {'vs pretraining (range)':>24} {'targets with a loss':>20}")
+    for row in rows:
+        ratios = [p / r for p, r in zip(rows[0].seconds, row.seconds)]
+        share = loss_share(row.trainer, args.steps)
+        print(f"{row.name:<28} {tokens / statistics.median(row.seconds):9,.0f} {ratio_summary(ratios):>24} "
+              f"{share:20.1%}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, help=f"timed steps per loop and round (default 10; {PIPELINE_STEPS} "
@@ -701,6 +743,8 @@ def main() -> None:
                         help="seconds per step without and with evaluation, and the per-step checks' cost")
     parser.add_argument("--ablation", action="store_true",
                         help="tokens/s, peak memory and loss difference of each speed lever, alone and together")
+    parser.add_argument("--sft", action="store_true",
+                        help="tokens/s of fine-tuning on conversations against pretraining, same model and layout")
     parser.add_argument("--data", action="store_true",
                         help="the last data-parallel rank's read time per batch at degrees 1 to 1024")
     parser.add_argument("--gc", type=int, metavar="N",
@@ -742,6 +786,9 @@ def main() -> None:
         return
     if args.ablation:
         ablation_table(args, argv)
+        return
+    if args.sft:
+        sft_table(args, argv)
         return
     overhead_table(args, argv)
 

@@ -54,7 +54,7 @@ def documents(starts: list[int]) -> list[slice]:
 
 def test_layout_restarts_positions_after_every_eos() -> None:
     tokens = packed_row(LAYOUTS["documents cut by both ends"])
-    positions, document_ids = document_layout(tokens, EOS)
+    positions, document_ids = document_layout(tokens == EOS)
     assert positions[0].tolist() == [*range(7), *range(8), *range(9)]
     assert document_ids[0].tolist() == [0] * 7 + [1] * 8 + [2] * 9
 
@@ -62,7 +62,7 @@ def test_layout_restarts_positions_after_every_eos() -> None:
 def test_next_document_start_is_no_target_but_the_eos_is() -> None:
     inputs = torch.tensor([[4, EOS, 6, EOS]])
     labels = torch.tensor([[EOS, 6, EOS, 8]])
-    assert mask_cross_document_targets(inputs, labels, EOS).tolist() == [[EOS, IGNORE_INDEX, EOS, IGNORE_INDEX]]
+    assert mask_cross_document_targets(labels, inputs == EOS).tolist() == [[EOS, IGNORE_INDEX, EOS, IGNORE_INDEX]]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -74,7 +74,7 @@ def test_block_causal_equals_each_document_alone(layout: str) -> None:
     weights = torch.randn(1, SEQ, model.output.out_features)  # a loss that reaches every logit
 
     model.zero_grad()
-    packed = model(tokens, *document_layout(tokens, EOS))
+    packed = model(tokens, *document_layout(tokens == EOS))
     (packed * weights).sum().backward()
     packed_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
 
@@ -129,7 +129,7 @@ def test_flex_block_mask_equals_the_documents_mask() -> None:
     torch has no FlexAttention backward on CPU)."""
     rows = list(LONG_LAYOUTS.values())
     tokens = torch.cat([packed_row(starts, LONG_SEQ) for starts in rows])
-    _, document_ids = document_layout(tokens, EOS)
+    _, document_ids = document_layout(tokens == EOS)
     block_mask = build_block_mask(document_ids, LONG_SEQ, tokens.device)
     want = torch.stack([mask_of_documents(starts, LONG_SEQ) for starts in rows])[:, None]  # (bs, 1, seq, seq)
     assert torch.equal(create_mask(block_mask.mask_mod, len(rows), 1, LONG_SEQ, LONG_SEQ, device="cpu"), want)
@@ -151,8 +151,8 @@ def test_flex_model_computes_the_sdpa_logits(layout: str) -> None:
     tokens = torch.cat([packed_row(LAYOUTS[layout]), packed_row(LAYOUTS["many documents"])])
     flex, sdpa = build("flex"), build("sdpa")
     with torch.no_grad():
-        torch.testing.assert_close(flex(tokens, *document_layout(tokens, EOS)),
-                                   sdpa(tokens, *document_layout(tokens, EOS)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex(tokens, *document_layout(tokens == EOS)),
+                                   sdpa(tokens, *document_layout(tokens == EOS)), rtol=1e-5, atol=1e-5)
 
 
 def test_selective_ac_saves_flex_attention() -> None:
@@ -160,7 +160,7 @@ def test_selective_ac_saves_flex_attention() -> None:
     flex_attention higher-order op (eagerly here; compiled blocks trace the same op into the graph, where the
     policy tags it), and recomputing it would cost a second attention forward."""
     tokens = packed_row(LAYOUTS["many documents"])
-    _, document_ids = document_layout(tokens, EOS)
+    _, document_ids = document_layout(tokens == EOS)
     block_mask = build_block_mask(document_ids, SEQ, tokens.device)
     policy, decisions = selective_policy(save_matmuls=True), []
 
@@ -181,8 +181,8 @@ def test_compiled_flex_blocks_match_sdpa() -> None:
     for block in flex.layers.values():
         block.compile(fullgraph=True)
     with torch.no_grad():
-        torch.testing.assert_close(flex(tokens, *document_layout(tokens, EOS)),
-                                   sdpa(tokens, *document_layout(tokens, EOS)), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(flex(tokens, *document_layout(tokens == EOS)),
+                                   sdpa(tokens, *document_layout(tokens == EOS)), rtol=1e-5, atol=1e-5)
 
 
 def test_flex_backend_on_cpu_is_a_config_error() -> None:

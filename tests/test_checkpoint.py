@@ -366,9 +366,8 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
             "--training.local_batch_size", str(LOCAL_BATCH_SIZE * dp_degree)]
     trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
     trainer.training.model.load_state_dict(weights)
-    inputs, labels = next(iter(trainer.dataloader))
     with torch.no_grad():
-        loss_sum, num_targets = trainer.training.evaluation_loss(inputs, labels)
+        loss_sum, num_targets = trainer.training.evaluation_loss(*next(iter(trainer.dataloader)))
     return (loss_sum / num_targets).item()
 
 

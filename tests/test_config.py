@@ -370,7 +370,7 @@ def test_written_config_reads_back_identically(tmp_path: Path) -> None:
 @pytest.mark.parametrize("entries, problem", [
     (["shipped"], "--training.mixture entry 'shipped' has no weight. Write DATASET[:PATH]=WEIGHT"),
     (["parquet:x=1"], "--training.mixture entry 'parquet:x=1' names dataset 'parquet', which is not one of shipped, "
-                      "text, jsonl, hf, prepared."),
+                      "text, jsonl, hf, chat, prepared."),
     (["hf:some/set=1"], "--training.mixture hf entry 'some/set' is not a local folder: a dataset from the Hugging "
                         "Face hub is tokenized once, before training, with `python -m titan.data.prepare"),
     (["jsonl=2"], "--training.mixture entry 'jsonl=2' needs a path: jsonl:PATH=WEIGHT"),

@@ -129,7 +129,7 @@ def check_model_rows(mesh: DeviceMesh) -> None:
                for block in sharded.layers.values())
     tokens = torch.randint(0, EOS, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     tokens[0, [3, 9, 10]] = EOS
-    layout = document_layout(tokens, EOS)
+    layout = document_layout(tokens == EOS)
     local = shard_batch(mesh, tokens, *layout)
     torch.testing.assert_close(sharded(*local), shard_sequence(full(tokens, *layout), 1, mesh.get_local_rank(), CP),
                                **TOLERANCE)

@@ -37,6 +37,7 @@ from titan.data.dataset import (
 )
 from titan.data.loader import (
     PREFETCH_BATCHES,
+    Batch,
     DataParallelLoader,
     build_dataloader,
     build_stream,
@@ -92,22 +93,21 @@ def in_order(training: Training) -> Training:
     return dataclasses.replace(training, shuffle=False)
 
 
-def take_batches(loader: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                 count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def take_batches(loader: Iterable[Batch], count: int) -> list[Batch]:
     return list(itertools.islice(loader, count))
 
 
-def concatenated(per_rank: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def concatenated(per_rank: list[list[Batch]]) -> list[Batch]:
     """The global batches that data-parallel ranks' batches make up, rank 0's sequences first."""
-    return [(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])) for batches in zip(*per_rank)]
+    return [tuple(torch.cat(parts) for parts in zip(*batches)) for batches in zip(*per_rank)]
 
 
-def assert_same_batches(got: list[tuple[torch.Tensor, torch.Tensor]],
-                        want: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Equal (inputs, labels) batches, as many as expected: a resumed loader that yields fewer, or nothing, fails."""
+def assert_same_batches(got: list[Batch], want: list[Batch]) -> None:
+    """Equal batches (inputs, labels and document ends), as many as expected: a resumed loader that yields fewer, or
+    nothing, fails."""
     assert len(got) == len(want), (len(got), len(want))
     for index, (got_batch, want_batch) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(got_batch[0], want_batch[0]) and torch.equal(got_batch[1], want_batch[1]), index
+        assert all(torch.equal(g, w) for g, w in zip(got_batch, want_batch, strict=True)), index
 
 
 # Tokenizer
@@ -294,7 +294,7 @@ def test_jsonl_folder_reads_plain_and_gzip(tmp_path: Path) -> None:
 def test_shipped_corpus_is_small_and_loads(tokenizer: Tokenizer, corpus: list[str]) -> None:
     assert SHIPPED_CORPUS.stat().st_size < 1_000_000  # the committed asset stays small
     assert len(corpus) > 300 and 1_000_000 < sum(len(t.encode("utf-8")) for t in corpus) < 3_000_000
-    inputs, labels = next(iter(build_dataloader(tokenizer, Training(), dp_rank=0, dp_degree=1)))
+    inputs, labels, _ = next(iter(build_dataloader(tokenizer, Training(), dp_rank=0, dp_degree=1)))
     assert inputs.shape == labels.shape == (Training().local_batch_size, Training().seq_len)
     assert inputs.dtype == labels.dtype == torch.int64
 
@@ -321,21 +321,22 @@ def test_shipped_training_never_reads_held_out_documents(tokenizer: Tokenizer, c
 
 
 def test_windows_are_consecutive_and_labels_shift(tmp_path: Path, tokenizer: Tokenizer, corpus: list[str]) -> None:
-    """With --training.shuffle off, windows cut the documents' token stream in order."""
+    """With --training.shuffle off, windows cut the documents' token stream in order; a document ends at its EOS."""
     texts = corpus[:3]
     seq_len = 64
     stream = stream_of(tokenizer, texts)
     training = in_order(jsonl_training(tmp_path, texts, seq_len=seq_len, local_batch_size=1))
-    for k, (inputs, labels) in enumerate(take_batches(build_dataloader(tokenizer, training, 0, 1),
-                                                      len(stream) // (seq_len + 1))):
-        assert inputs.shape == labels.shape == (1, seq_len) and inputs.dtype == torch.int64
+    for k, (inputs, labels, ends) in enumerate(take_batches(build_dataloader(tokenizer, training, 0, 1),
+                                                            len(stream) // (seq_len + 1))):
+        assert inputs.shape == labels.shape == ends.shape == (1, seq_len) and inputs.dtype == torch.int64
         window = stream[k * (seq_len + 1) : (k + 1) * (seq_len + 1)]
         assert inputs[0].tolist() == window[:-1] and labels[0].tolist() == window[1:]
+        assert torch.equal(ends, inputs == tokenizer.eos_id)
 
 
 def windows_of_epochs(stream: WindowStream, num_epochs: int) -> list[list[list[int]]]:
     per_epoch = stream.sources[0].per_epoch
-    return [stream.take(per_epoch).tolist() for _ in range(num_epochs)]
+    return [stream.take(per_epoch).tokens.tolist() for _ in range(num_epochs)]
 
 
 def test_shuffle_visits_every_window_once_per_epoch_in_a_new_seeded_order(tmp_path: Path,
@@ -379,7 +380,7 @@ def test_a_rank_reads_only_its_own_windows(tmp_path: Path, tokenizer: Tokenizer,
     monkeypatch.setattr(type(stream.sources[0]), "window",
                         lambda self, drawn: read.append(drawn) or window(self, drawn))
     windows = stream.take(2048, 700 * 2, 2)
-    assert read == [1400, 1401] and windows.shape == (2, 33)
+    assert read == [1400, 1401] and windows.tokens.shape == (2, 33)
     stream.take(2048, 700 * 2, 2)
     assert read[2:] == [2048 + 1400, 2048 + 1401]
 
@@ -390,7 +391,7 @@ def test_stream_loops_over_epochs_and_logs(tmp_path: Path, tokenizer: Tokenizer,
     epoch = stream_of(tokenizer, texts)
     stream = build_stream(tokenizer, in_order(jsonl_training(tmp_path, texts, seq_len=4)))
     per_epoch = len(epoch) // 5
-    got = token_stream(window for _ in range(4 * per_epoch + 1) for window in stream.take(1))
+    got = token_stream(window for _ in range(4 * per_epoch + 1) for window in stream.take(1).tokens)
     assert got == (epoch[: 5 * per_epoch] * 5)[: len(got)]
     stream.take(3 * per_epoch)
     starts = [r.getMessage() for r in titan_records if "starts epoch" in r.getMessage()]
@@ -560,9 +561,9 @@ def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer:
     training = Training(mixture=[f"{names['a']}=1", f"{names['b']}=2"], seq_len=5, shuffle=False)
     loader = build_dataloader(tokenizer, training, 0, 1)
     stream = loader.stream
-    windows = [window for _ in range(23) for window in stream.take(1).tolist()]
+    windows = [window for _ in range(23) for window in stream.take(1).tokens.tolist()]
     state = copy.deepcopy(stream.state_dict())
-    windows += [window for _ in range(37) for window in stream.take(1).tolist()]
+    windows += [window for _ in range(37) for window in stream.take(1).tokens.tolist()]
     drawn = [stream.source_of(index).name for index in range(60)]
     for key, name in names.items():
         own = [window for window, source in zip(windows, drawn) if source == name]
@@ -574,7 +575,7 @@ def test_mixture_sources_loop_on_their_own_and_resume(tmp_path: Path, tokenizer:
     assert {f"Data: source {name} starts epoch 2" for name in names.values()} <= logged
     resumed = build_dataloader(tokenizer, training, 0, 1)
     resumed.load_state_dict(state)
-    assert resumed.stream.take(37).tolist() == windows[23:]
+    assert resumed.stream.take(37).tokens.tolist() == windows[23:]
     assert resumed.stream.tokens_per_source() == stream.tokens_per_source()
     other_data = build_dataloader(tokenizer, Training(), 0, 1)
     with pytest.raises(ConfigError, match="--checkpoint.exclude_from_loading dataloader"):
@@ -604,7 +605,7 @@ def test_validation_is_one_pass_with_the_same_batches_on_every_rank(tmp_path: Pa
                                            0, 1)
     assert_same_batches(concatenated(passes), list(one_process))
     capped = dataclasses.replace(validation, steps=2, local_batch_size=1, seq_len=16)
-    assert [inputs.shape for inputs, _ in build_validation_batches(tokenizer, capped, training, 0, 2)] == [(1, 16)] * 2
+    assert [inputs.shape for inputs, *_ in build_validation_batches(tokenizer, capped, training, 0, 2)] == [(1, 16)] * 2
 
 
 def test_validation_set_smaller_than_one_global_batch(tmp_path: Path, tokenizer: Tokenizer) -> None:

@@ -94,7 +94,7 @@ def test_latent_attention_keeps_documents_apart() -> None:
     block = model.layers["0"].attention  # the dense block's latent attention
     eos = 7
     tokens = torch.tensor([[5, 9, 11, eos, 3, 4, 12, 13, eos, 8, 6, 2]])
-    positions, document_ids = document_layout(tokens, eos)
+    positions, document_ids = document_layout(tokens == eos)
     x = torch.randn(1, 12, args.dim)
     with torch.no_grad():
         packed = block(x, model.rope(positions), build_dense_mask(document_ids))

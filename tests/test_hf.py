@@ -480,16 +480,15 @@ def test_last_save_in_hf_loads_in_transformers_and_resumes_from_step_0(tmp_path:
     # The export holds no data position, so the rerun's step 1 reads the first batch again: its loss is the exported
     # weights' (`model`, read from the folder above) on the batch the trainer builds first. rel 1e-5: the same fp32
     # model and batch, summed in another order (one thread in the run, this process's threads here).
-    # The run's default block-causal attention: documents and targets from the BOS ids.
+    # The run's default block-causal attention: documents and targets from where the loader says documents end.
     cfg = load_job_config(command, world_size=1)
     tokenizer = build_tokenizer(cfg.model.tokenizer_path)
     loader = build_dataloader(tokenizer, cfg.training, 0, 1)
-    inputs, labels = next(iter(loader))
+    inputs, labels, document_ends = next(iter(loader))
     loader.close()
     with torch.no_grad():
-        logits = model(inputs, *document_layout(inputs, tokenizer.eos_id))
-        exported_loss = cross_entropy_loss(logits, mask_cross_document_targets(inputs, labels, tokenizer.eos_id),
-                                           VOCAB).item()
+        logits = model(inputs, *document_layout(document_ends))
+        exported_loss = cross_entropy_loss(logits, mask_cross_document_targets(labels, document_ends), VOCAB).item()
     assert losses_by_step(dump)[1] == pytest.approx(exported_loss, rel=1e-5)
     assert first_run_losses[1] != pytest.approx(exported_loss, rel=1e-3)  # the seed init's loss is far from it
     assert (export / INDEX_FILE).is_file() and not (export / ".metadata").exists()

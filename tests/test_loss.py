@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from titan.data.loader import Batch
 from titan.models.common.loss import IGNORE_INDEX, OutputLoss, cross_entropy_sum
 from titan.train.step import TrainingStep
 
@@ -113,11 +114,10 @@ def test_training_losses_match_unchunked(tmp_path: Path) -> None:
     torch.testing.assert_close(chunked, full, rtol=0, atol=1e-5)
 
 
-def step_gradients(training: TrainingStep, batches: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[float, dict[str, torch.Tensor]]:
+def step_gradients(training: TrainingStep, batches: list[Batch]) -> tuple[float, dict[str, torch.Tensor]]:
     """(the step's mean loss, every parameter's gradient) of one step over `batches`, without updating."""
     training.optimizer.zero_grad()
-    loss_sum, _ = training.compute_gradients([training.micro_batch(inputs, labels) for inputs, labels in batches])
+    loss_sum, _ = training.compute_gradients([training.micro_batch(*batch) for batch in batches])
     grads = {name: p.grad.clone() for name, p in training.model.named_parameters()}
     training.optimizer.zero_grad()
     return training.global_mean(loss_sum).item(), grads
@@ -132,14 +132,15 @@ def test_uneven_valid_targets_weigh_every_target_the_same(tmp_path: Path) -> Non
     training = trainer.training
     torch.manual_seed(1)
     tokens = torch.randint(3, 2000, (4, 65))
-    inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:]
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
     # Their targets masked as next-document starts: the first micro-batch keeps 10 of 128.
-    inputs[:2, 5:] = training.eos_id
+    ends = torch.zeros_like(inputs, dtype=torch.bool)
+    ends[:2, 5:] = True
     one_batch = training.grad_accumulation_steps
     assert one_batch == 2
-    loss, grads = step_gradients(training, [(inputs[:2], labels[:2]), (inputs[2:], labels[2:])])
+    loss, grads = step_gradients(training, [(inputs[:2], labels[:2], ends[:2]), (inputs[2:], labels[2:], ends[2:])])
     training.grad_accumulation_steps = 1
-    whole_loss, whole_grads = step_gradients(training, [(inputs, labels)])
+    whole_loss, whole_grads = step_gradients(training, [(inputs, labels, ends)])
     assert abs(loss - whole_loss) < 1e-5
     for name, grad in grads.items():
         torch.testing.assert_close(grad, whole_grads[name], rtol=1e-4, atol=1e-6, msg=name)

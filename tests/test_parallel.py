@@ -57,6 +57,10 @@ QWEN3_TIED = [*QWEN3, "--model.flavor", "debugmodel_tied"]
 # parallel ranks' losses differ from one process's (tests/test_moe.py checks its value and gradient).
 QWEN3_MOE = [*QWEN3, "--model.flavor", "debugmodel_moe"]
 EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# Fine-tuning on the shipped conversations, packed whole, most targets masked (docs/sft.md); evaluated on them too.
+CHATS = str(SHIPPED_CORPUS.parent / "stdlib_chats.jsonl.gz")
+SFT = ["--training.dataset", "chat", "--training.dataset_path", CHATS, "--validation.dataset", "chat",
+       "--validation.dataset_path", CHATS]
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
 DEEPSEEK_V3_MTP = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel_mtp"]
 # The experts in low precision, emulated, both converters in one model: float8 rowwise for the first MoE layers'
@@ -143,6 +147,12 @@ LAYOUTS = {
     **layouts(2, "ref_causal", fsdp2_causal=["--training.local_batch_size", "2", *FSDP2, *CAUSAL],
               pp2_causal=["--training.local_batch_size", "4", *PP2, *CAUSAL],
               cp2_causal=["--training.local_batch_size", "4", *CP2, *CAUSAL]),
+    # Conversations: the loss over their assistant tokens, normalized per valid target, under every split of them.
+    **layouts(1, None, ref_sft=["--training.local_batch_size", "4", *SFT]),
+    **layouts(2, "ref_sft", fsdp2_sft=["--training.local_batch_size", "2", *FSDP2, *SFT],
+              tp2_sft=["--training.local_batch_size", "4", *TP2, *SFT],
+              pp2_sft=["--training.local_batch_size", "4", *PP2, *SFT],
+              cp2_sft=["--training.local_batch_size", "4", *CP2, *SFT]),
     **layouts(2, "ref_float8", fsdp2_float8=["--training.local_batch_size", "2", *FSDP2, *FLOAT8],
               tp2_float8=["--training.local_batch_size", "4", *TP2, *FLOAT8],
               cp2_float8=["--training.local_batch_size", "4", *CP2, *FLOAT8]),
@@ -353,6 +363,13 @@ def test_context_parallel_matches_one_process(runs: CaseResults, case: str) -> N
 @pytest.mark.parametrize("case", ["fsdp2_causal", "pp2_causal", "cp2_causal"])
 def test_causal_attention_matches_one_process(runs: CaseResults, case: str) -> None:
     """Attention across the documents of a window, as before block-causal masking became the default."""
+    assert_same_run(runs, case)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_sft", "tp2_sft", "pp2_sft", "cp2_sft"])
+def test_fine_tuning_on_conversations_matches_one_process(runs: CaseResults, case: str) -> None:
+    """Packed conversations whose prompts carry no loss: every layout divides the step's loss by the same count of
+    valid targets, however its ranks split them."""
     assert_same_run(runs, case)
 
 

@@ -45,7 +45,7 @@ def jsonl_source(path: Path):
 def prepared(tmp_path: Path, tokenizer: Tokenizer, texts: list[str] = TEXTS, workers: int = 1) -> Path:
     source = jsonl_source(write_jsonl(tmp_path / "d.jsonl", texts))
     out = tmp_path / "store"
-    prepare_store(source.documents(), source.description, tokenizer, out, source.origin, workers)
+    prepare_store(source, tokenizer, out, workers)
     return out
 
 
@@ -146,7 +146,7 @@ def test_prepared_dataset_trains_and_notices_a_changed_source(tmp_path: Path, to
     out = prepared(tmp_path, tokenizer, TEXTS * 20)
     training = Training(dataset="prepared", dataset_path=str(out), seq_len=16)
     stream = build_stream(tokenizer, training)
-    assert stream.sources[0].store.path == out and stream.take(2).shape == (2, 17)
+    assert stream.sources[0].store.path == out and stream.take(2).tokens.shape == (2, 17)
     write_jsonl(tmp_path / "d.jsonl", TEXTS)
     with pytest.raises(ConfigError, match=r"its source changed since it was prepared \(.*d\.jsonl\)"):
         build_stream(tokenizer, training)
@@ -194,7 +194,7 @@ main(["--dataset", "shipped", "--out", "{tmp_path / 'store'}"])
     with pytest.raises(ConfigError, match="no such folder"):
         open_store(tmp_path / "store", tokenizer)
     source = build_document_source("shipped", None, "--training.dataset", "--training.dataset_path")
-    prepare_store(source.documents(), source.description, tokenizer, tmp_path / "store", source.origin, 1)
+    prepare_store(source, tokenizer, tmp_path / "store", 1)
     assert open_store(tmp_path / "store", tokenizer).meta["num_documents"] > 300
     assert [p.name for p in tmp_path.iterdir()] == ["store"]  # the killed process's folder is gone
 

@@ -214,6 +214,7 @@ class Checkpointer:
         self.tokenizer = tokenizer
         self.model_fqns = model_fqns
         self.root = checkpoint_root(cfg.folder, dump_folder)
+        self.dump_folder = dump_folder
         self.steps = build_step_folders(self.root, export_staging=dump_folder / "checkpoint_staging")
         self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
         self.device = device
@@ -390,8 +391,12 @@ class Checkpointer:
         return self.steps.has_file(folder, INDEX_FILE)
 
     def load(self) -> TrainState:
-        """Restore the latest checkpoint (or the initial weights); returns where training continues."""
+        """Restore the latest checkpoint (or the initial weights); returns where training continues. Without
+        --checkpoint.enable only --checkpoint.initial_load_path is read: a run that saves nothing (a fine-tuning
+        experiment) still starts from the weights it names."""
         if not self.cfg.enable:
+            if self.cfg.initial_load_path is not None:
+                return self.load_initial(self.cfg.initial_load_path)
             return self.start_state()
         folder = self.resume_folder()
         if folder is not None and self.is_hf_export(folder):
@@ -410,6 +415,10 @@ class Checkpointer:
         if self.cfg.initial_load_in_hf:
             self.load_hf_weights(path)
             return self.start_state()
+        # A run's checkpoint folder (another run's --checkpoint.folder) stands for its latest complete step.
+        run_steps = build_step_folders(path, export_staging=self.dump_folder / "checkpoint_staging")
+        if complete := run_steps.complete_steps():
+            path = run_steps.location(complete[-1])
         if self.cfg.initial_load_model_only:
             self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY}, fix=INITIAL_LOAD_FIX)
             return self.start_state()

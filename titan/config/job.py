@@ -162,15 +162,16 @@ class LRScheduler:
 
 @dataclass
 class Training:
-    dataset: Literal["shipped", "text", "jsonl", "hf", "prepared"] = "shipped"
+    dataset: Literal["shipped", "text", "jsonl", "hf", "chat", "prepared"] = "shipped"
     """Data source: shipped (the small corpus in titan/data/corpus/), text or jsonl files given by
-    --training.dataset_path, a Hugging Face dataset (needs the `hf` extra), or a token store made by
+    --training.dataset_path, a Hugging Face dataset (needs the `hf` extra), conversations to fine-tune on (chat:
+    rendered by a chat template, the [chat] section; docs/sft.md), or a token store made by
     `python -m titan.data.prepare`. All but prepared are tokenized into a store on first use (in
     --training.dataset_cache_dir) and read from it after."""
     dataset_path: str | None = None
     """A file, folder or glob for text/jsonl data (text: blank lines separate documents; jsonl: one object
-    per line with a "text" field); the dataset name or folder for hf; the store's folder for prepared. Unused for
-    shipped."""
+    per line with a "text" field); the dataset name or folder for hf; JSONL files or a Hugging Face dataset folder
+    for chat (a list of messages per row); the store's folder for prepared. Unused for shipped."""
     dataset_cache_dir: str = ""
     """Folder for the token stores made on first use (under its token_stores/). Empty: $TITAN_CACHE_DIR, else
     ~/.cache/titan."""
@@ -245,13 +246,13 @@ class Validation:
     enable: bool = False
     """Evaluate the loss on held-out data every --validation.freq steps and at the last step (logged as val_loss
     and val_perplexity at that training step)."""
-    dataset: Literal["shipped", "text", "jsonl", "hf", "prepared"] = "shipped"
+    dataset: Literal["shipped", "text", "jsonl", "hf", "chat", "prepared"] = "shipped"
     """Evaluation data: shipped (the held-out 1 in 20 documents of the shipped corpus, which training never
-    reads), or text, jsonl, hf or prepared data given by --validation.dataset_path, read as --training.dataset reads
-    it (in document order, never shuffled)."""
+    reads), or text, jsonl, hf, chat or prepared data given by --validation.dataset_path, read as --training.dataset
+    reads it (in document order, never shuffled)."""
     dataset_path: str | None = None
-    """A file, folder or glob (text, jsonl), a dataset name or folder (hf) or a store's folder (prepared). Unused
-    for shipped."""
+    """A file, folder or glob (text, jsonl, chat), a dataset name or folder (hf, chat) or a store's folder
+    (prepared). Unused for shipped."""
     freq: Count = 100
     """Training steps between evaluations."""
     steps: CountOrAuto = -1
@@ -261,6 +262,21 @@ class Validation:
     """Sequences per device per evaluation batch. None: --training.local_batch_size."""
     seq_len: OptionalCount = None
     """Tokens per evaluation sequence, at most --training.seq_len. None: --training.seq_len."""
+
+
+@dataclass
+class Chat:
+    template_path: str = ""
+    """The chat template that renders conversations (chat data): a Jinja file, or a tokenizer_config.json to take
+    its chat_template from. Empty: the tokenizer's, from the tokenizer_config.json (or chat_template.jinja) beside a
+    tokenizer.json, or Titan's default for a tiktoken file (titan/data/templates/; docs/sft.md)."""
+    messages_field: str = "messages"
+    """The field of each row (a JSONL object's key, a dataset's column) that holds its list of {"role", "content"}
+    messages."""
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """Which tokens of a conversation carry the loss: assistant (every assistant turn, from the template's
+    {% generation %} blocks, else found by rendering message by message), last_assistant (only its last assistant
+    turn), or all (every token, prompts included)."""
 
 
 @dataclass
@@ -439,9 +455,10 @@ class Checkpoint:
     load_step: StepOrLatest = -1
     """Step to resume from. -1: the latest complete checkpoint in --checkpoint.folder."""
     initial_load_path: str | None = None
-    """Checkpoint to start from when --checkpoint.folder holds none yet (a step folder of another run, a seed
-    checkpoint, either a path or an fsspec URL, or with --checkpoint.initial_load_in_hf a local Hugging Face
-    safetensors folder)."""
+    """Checkpoint to start from when --checkpoint.folder holds none yet: a step folder of another run (or its
+    checkpoint folder, for its latest complete step) or a seed checkpoint, a path or an fsspec URL; with
+    --checkpoint.initial_load_in_hf a local Hugging Face safetensors folder. Read with or without --checkpoint.enable,
+    which only decides whether this run saves and resumes checkpoints of its own."""
     initial_load_model_only: bool = True
     """From --checkpoint.initial_load_path load the weights only (a fresh optimizer, schedule and data order)."""
     initial_load_in_hf: bool = False
@@ -553,6 +570,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
     validation: Validation = field(default_factory=Validation)
+    chat: Chat = field(default_factory=Chat)
     metrics: Metrics = field(default_factory=Metrics)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

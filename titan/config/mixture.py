@@ -4,9 +4,9 @@ tables in it), the config rules (which check it) and the data loader (which buil
 import math
 from dataclasses import dataclass
 
-MIXTURE_DATASETS = ("shipped", "text", "jsonl", "hf", "prepared")
+MIXTURE_DATASETS = ("shipped", "text", "jsonl", "hf", "chat", "prepared")
 """Datasets a mixture can draw from: all of them, each read from its token store."""
-SPELLING = "DATASET[:PATH]=WEIGHT, e.g. shipped=1 or jsonl:data/code.jsonl=3"
+SPELLING = "DATASET[:PATH]=WEIGHT, e.g. shipped=1, jsonl:data/code.jsonl=3 or chat:data/chats.jsonl=1"
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,7 @@ def dataset_path_problem(section: str, dataset: str, dataset_path: str | None) -
     if dataset_path is None:
         return (f"{section}.dataset {dataset} needs {section}.dataset_path (files, a folder or a glob; a dataset name "
                 f"for hf; a store's folder for prepared).")
-    if dataset in ("text", "jsonl") and not path_matches(dataset_path):
+    if dataset in ("text", "jsonl", "chat") and not path_matches(dataset_path):
         return f"{section}.dataset_path {dataset_path!r} matches no file or folder. Check the path or glob."
     if dataset == "hf" and not resolve_path(dataset_path).is_dir():
         return hub_dataset_problem(f"{section}.dataset", f"{section}.dataset_path", dataset_path)
@@ -246,6 +246,42 @@ def check_mixture_paths(cfg: JobConfig, world_size: int) -> list[str]:
             problems.append(f"--training.mixture entry {text!r} has path {entry.path!r}, which matches no file or "
                             f"folder. Check the path or glob.")
     return problems
+
+
+def chat_flags(cfg: JobConfig) -> list[str]:
+    """The flags that name chat data, as the user gave them."""
+    flags = []
+    if cfg.training.mixture:
+        for text in cfg.training.mixture:
+            try:
+                if parse_mixture_entry(text).dataset == "chat":
+                    flags.append(f"--training.mixture entry {text!r}")
+            except ValueError:
+                continue  # check_mixture reports it
+    elif cfg.training.dataset == "chat":
+        flags.append("--training.dataset chat")
+    if cfg.validation.enable and cfg.validation.dataset == "chat":
+        flags.append("--validation.dataset chat")
+    return flags
+
+
+def check_chat_attention(cfg: JobConfig, world_size: int) -> str | None:
+    """Conversations are packed several to a sequence: only block-causal attention keeps them apart."""
+    flags = chat_flags(cfg)
+    if not flags or cfg.model.attn_mask_type == "block_causal":
+        return None
+    return (f"{' and '.join(flags)} packs conversations into sequences, which needs --model.attn_mask_type "
+            f"block_causal to keep each from reading the ones before it (got {cfg.model.attn_mask_type!r}). Use "
+            f"block_causal.")
+
+
+@about_this_machine
+def check_chat_template_path(cfg: JobConfig, world_size: int) -> str | None:
+    path = cfg.chat.template_path
+    if not path or not chat_flags(cfg) or resolve_path(path).is_file():
+        return None
+    return (f"--chat.template_path {path!r} is not a file. Point it at a Jinja chat template or a "
+            f"tokenizer_config.json, or leave it empty for the tokenizer's.")
 
 
 def check_mixture(cfg: JobConfig, world_size: int) -> list[str]:
@@ -771,11 +807,18 @@ def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
         problems.append(f"--checkpoint.initial_load_path {initial!r} with --checkpoint.initial_load_in_hf: "
                         f"Hugging Face folders are read from a local (or shared) filesystem only. Copy it there first "
                         f"(aws s3 cp --recursive, gcloud storage cp -r) and pass that folder.")
-    if initial is not None and not is_url(initial) and not os.path.isdir(initial):
-        problems.append(f"--checkpoint.initial_load_path {initial!r} is not a folder. Give a checkpoint step folder "
-                        f"(e.g. outputs/checkpoint/step-1000, or s3://bucket/run/step-1000) or a Hugging Face model "
-                        f"folder.")
     return problems
+
+
+@about_this_machine
+def check_initial_load_path(cfg: JobConfig, world_size: int) -> str | None:
+    initial = cfg.checkpoint.initial_load_path
+    if initial is None or is_url(initial) or os.path.isdir(initial):
+        return None
+    return (f"--checkpoint.initial_load_path {initial!r} is not a folder. Give a checkpoint step folder (e.g. "
+            f"outputs/checkpoint/step-1000, or s3://bucket/run/step-1000), a run's checkpoint folder (its latest "
+            f"step: outputs/debug_model/checkpoint after `./run_train.sh --checkpoint.enable`) or a Hugging Face "
+            f"model folder.")
 
 
 def check_pinned_memory_checkpoint(cfg: JobConfig, accelerator: Accelerator) -> str | None:
@@ -838,7 +881,8 @@ RULES: tuple[Rule, ...] = (
     check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_context_parallel,
     check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather, check_checkpoint,
     check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths, check_validation_dataset_path,
-    check_validation_pipeline, check_validation_seq_len, check_fault,
+    check_validation_pipeline, check_validation_seq_len, check_fault, check_chat_attention, check_chat_template_path,
+    check_initial_load_path,
 )
 HARDWARE_RULES: tuple[HardwareRule, ...] = (
     check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 from titan.config.errors import ConfigError
-from titan.data.dataset import DocumentSource
 from titan.data.store import (
     META_FILE,
     STORE_VERSION,
+    StoreSource,
     TokenStore,
     open_store,
     prepare_store,
@@ -41,20 +41,22 @@ def cache_dir(configured: str) -> Path:
     return (Path(configured).expanduser() if configured else default_cache_dir()) / "token_stores"
 
 
-def cache_key(source: DocumentSource, tokenizer: Tokenizer) -> str:
+def cache_key(source: StoreSource, tokenizer: Tokenizer) -> str:
     description = source.description
     identity = {"version": STORE_VERSION, "kind": description.kind, "path": description.path,
                 "split": description.split, "files": description.file_stamps(),
                 "tokenizer": tokenizer_fingerprint(tokenizer)}
+    if description.recipe is not None:  # only then: the names of documents' cached stores stay what they were
+        identity["recipe"] = description.recipe
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
-def cached_store_path(source: DocumentSource, tokenizer: Tokenizer, folder: Path) -> Path:
+def cached_store_path(source: StoreSource, tokenizer: Tokenizer, folder: Path) -> Path:
     description = source.description
     return folder / f"{description.kind}-{description.split}-{cache_key(source, tokenizer)[:20]}"
 
 
-def cached_store(source: DocumentSource, tokenizer: Tokenizer, folder: Path, prepare: bool = True
+def cached_store(source: StoreSource, tokenizer: Tokenizer, folder: Path, prepare: bool = True
                  ) -> TokenStore | None:
     """The store of `source` under `folder`, tokenized now if it is not there yet (or is damaged). Without
     `prepare` nothing is written: None when the store is not there (the dry run)."""
@@ -74,4 +76,4 @@ def cached_store(source: DocumentSource, tokenizer: Tokenizer, folder: Path, pre
                 return open_store(path, tokenizer)
             except ConfigError as err:
                 logger.warning(f"{err} Tokenizing it again.")
-        return prepare_store(source.documents(), source.description, tokenizer, path, source.origin)
+        return prepare_store(source, tokenizer, path)

@@ -21,14 +21,17 @@ import glob
 import gzip
 import json
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import numpy as np
 
 from titan.config.errors import ConfigError
 from titan.config.paths import PROJECT_ROOT, resolve_path
-from titan.data.store import SourceDescription
+from titan.data.store import EncodedChunk, SourceDescription, StoreSource, encoded_chunks
+from titan.data.tokenizer import Tokenizer
 
 SHIPPED_CORPUS = Path(__file__).resolve().parent / "corpus" / "stdlib_docs.jsonl.gz"
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -131,11 +134,8 @@ def glob_paths(pattern: str) -> list[Path]:
     return [Path(m) for m in matches]
 
 
-class DocumentSource(Protocol):
-    origin: str
-    """The flag and value the documents come from, for error messages."""
-    description: SourceDescription
-    """What a token store of these documents records as its source."""
+class DocumentSource(StoreSource, Protocol):
+    """A source of text documents."""
 
     def documents(self) -> Iterator[str]:
         """Every document in a fixed order; a new call starts again from the first."""
@@ -172,27 +172,18 @@ class LocalDocuments:
         documents = (document for path in self.files for document in self.read(path, self.origin))
         return documents if self.keep is None else filter(self.keep, documents)
 
+    def encoded(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[EncodedChunk]:
+        return encoded_chunks(self.documents(), tokenizer, dtype, workers)
+
 
 class HuggingFaceDocuments:
     """The "text" column of a streamed Hugging Face dataset's train split."""
 
     def __init__(self, name: str, dataset_flag: str, path_flag: str) -> None:
         self.origin = f"{path_flag} {name!r}"
-        folder = resolve_path(name)
-        # A local folder is hashed like local files; a hub dataset is known by its name alone.
-        files = tuple(sorted(p for p in folder.rglob("*") if p.is_file() and wanted_in_folder(
-            p.relative_to(folder), "text"))) if folder.is_dir() else ()
-        self.description = SourceDescription("hf", name, "all", files)
-        try:
-            import datasets
-        except ImportError:
-            raise ConfigError(f"{dataset_flag} hf needs the `datasets` package, which is not installed. Run "
-                              f"`pip install titan[hf]`, or use {dataset_flag} jsonl with local files.") from None
-        try:
-            self._dataset = datasets.load_dataset(name, split="train", streaming=True)
-        except (OSError, ValueError) as err:  # DatasetNotFoundError is a FileNotFoundError
-            raise ConfigError(f"{self.origin} could not be opened as a Hugging Face dataset ({err}). Check the name, "
-                              f"or download it and give the local folder.") from err
+        self.description = SourceDescription("hf", name, "all", hf_folder_files(name))
+        self._dataset = stream_hf_dataset(name, self.origin, f"{dataset_flag} hf",
+                                          f"use {dataset_flag} jsonl with local files")
 
     def documents(self) -> Iterator[str]:
         for row_number, row in enumerate(self._dataset):
@@ -201,6 +192,34 @@ class HuggingFaceDocuments:
                 raise ConfigError(f'{self.origin}: row {row_number} has no string "text" column (columns: '
                                   f"{', '.join(sorted(row))}). Use a dataset with a text column.")
             yield text
+
+    def encoded(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[EncodedChunk]:
+        return encoded_chunks(self.documents(), tokenizer, dtype, workers)
+
+
+def hf_folder_files(name: str) -> tuple[Path, ...]:
+    """The files of a Hugging Face dataset's local folder, hashed like other local files; none for a hub dataset,
+    which is known by its name alone."""
+    folder = resolve_path(name)
+    if not folder.is_dir():
+        return ()
+    return tuple(sorted(p for p in folder.rglob("*") if p.is_file() and wanted_in_folder(p.relative_to(folder),
+                                                                                          "text")))
+
+
+def stream_hf_dataset(name: str, origin: str, needs: str, instead: str) -> Iterable[dict[str, Any]]:
+    """The train split of the Hugging Face dataset `name` (a hub name or a local folder), streamed. `origin` names
+    it in errors, `needs` says what needs the `datasets` package, and `instead` what to use without it."""
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"{needs} needs the `datasets` package, which is not installed. Run `pip install "
+                          f"titan[hf]`, or {instead}.") from None
+    try:
+        return datasets.load_dataset(name, split="train", streaming=True)
+    except (OSError, ValueError) as err:  # DatasetNotFoundError is a FileNotFoundError
+        raise ConfigError(f"{origin} could not be opened as a Hugging Face dataset ({err}). Check the name, or "
+                          f"download it and give the local folder.") from err
 
 
 def build_document_source(dataset: str, dataset_path: str | None, dataset_flag: str, path_flag: str,

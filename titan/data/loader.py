@@ -16,31 +16,44 @@ resume.
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torchdata.nodes import BaseNode, PinMemory, Prefetcher
 
 from titan.config.errors import ConfigError
-from titan.config.job import Training, Validation
+from titan.config.job import Chat, Training, Validation
 from titan.config.mixture import MixtureEntry, parse_mixture_entry
 from titan.config.paths import resolve_path
 from titan.config.validate import hub_dataset_problem
 from titan.data.cache import cache_dir, cached_store
+from titan.data.chat_template import load_chat_template
+from titan.data.conversations import ConversationEncoder, ConversationSource
 from titan.data.dataset import build_document_source
-from titan.data.store import TokenStore, open_store, source_changes
-from titan.data.stream import SourceWindows, WindowStream
+from titan.data.packing import build_source_windows
+from titan.data.store import StoreSource, TokenStore, open_store, source_changes
+from titan.data.stream import SourceWindows, Windows, WindowStream
 from titan.data.tokenizer import Tokenizer
+from titan.models.common.loss import IGNORE_INDEX
 
 PREFETCH_BATCHES = 2
 """Batches prepared ahead of the step that trains on them."""
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(inputs, labels, document ends), each (bs, seq): token ids, the next token ids with those that are no target made
+IGNORE_INDEX, and whether each input token is the last of its document."""
 
 
-def as_batch(windows: np.ndarray) -> Batch:
-    """(inputs, labels) of windows of seq_len + 1 ids: int64 of shape (len(windows), seq_len) each."""
-    batch = torch.from_numpy(windows)
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+def as_batch(windows: Windows) -> Batch:
+    """The batch of windows of seq_len + 1 tokens: a label is the next token where that token trains."""
+    tokens = torch.from_numpy(windows.tokens)
+    labels = tokens[:, 1:].masked_fill(torch.from_numpy(~windows.trains[:, 1:]), IGNORE_INDEX)
+    return tokens[:, :-1].contiguous(), labels, torch.from_numpy(windows.ends[:, :-1]).contiguous()
+
+
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """`batch` on `device`, copied without waiting where it is in pinned memory."""
+    inputs, labels, document_ends = batch
+    return (inputs.to(device, non_blocking=True), labels.to(device, non_blocking=True),
+            document_ends.to(device, non_blocking=True))
 
 
 class RankBatches(BaseNode):
@@ -60,18 +73,18 @@ class RankBatches(BaseNode):
         if initial_state is not None:
             self.stream.load_state_dict(initial_state)
 
-    def next(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def next(self) -> tuple[Batch, dict[str, Any]]:
         windows = self.stream.take(self.local_batch_size * self.dp_degree, self.dp_rank * self.local_batch_size,
                                    self.local_batch_size)
-        return *as_batch(windows), self.stream.state_dict()
+        return as_batch(windows), self.stream.state_dict()
 
     def get_state(self) -> dict[str, Any]:
         return self.stream.state_dict()
 
 
 class DataParallelLoader:
-    """Endless (inputs, labels) batches of shape (local_batch_size, seq_len): this rank's windows of each global
-    batch of `stream`, PREFETCH_BATCHES ahead in a background thread and, with `pin_memory`, in pinned memory."""
+    """Endless batches of shape (local_batch_size, seq_len): this rank's windows of each global batch of `stream`,
+    PREFETCH_BATCHES ahead in a background thread and, with `pin_memory`, in pinned memory."""
 
     def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int,
                  pin_memory: bool = False) -> None:
@@ -103,9 +116,9 @@ class DataParallelLoader:
         # The node itself, not a torchdata Loader around it: a Loader and its iterator refer to each other, so only
         # the garbage collector would free them, and with them the thread. The states travel with the batches.
         prefetcher.reset()
-        for inputs, labels, state in prefetcher:
+        for batch, state in prefetcher:
             self._consumed = state
-            yield inputs, labels
+            yield batch
 
     def close(self) -> None:
         """Stop the latest iterator's background thread: closing the generator drops the last reference to its
@@ -142,10 +155,11 @@ def training_entries(training: Training) -> list[tuple[MixtureEntry, str, str]]:
 
 
 def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, cache: str, dataset_flag: str,
-                 path_flag: str, held_out: bool = False, prepare: bool = True) -> tuple[TokenStore | None, str]:
+                 path_flag: str, chat: Chat, held_out: bool = False, prepare: bool = True
+                 ) -> tuple[TokenStore | None, str]:
     """The token store of a source and the flag and value it comes from (for error messages): a prepared store as
     it is, any other source's from the cache, tokenized on first use (with `prepare`; else None when it is not
-    there yet)."""
+    there yet). Conversations (chat) are rendered by the template of `chat`."""
     if dataset == "prepared":
         assert dataset_path is not None, "config/validate.py requires a dataset path here"
         store = open_store(resolve_path(dataset_path), tokenizer)
@@ -157,28 +171,41 @@ def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, c
         return store, f"{path_flag} {dataset_path!r}"
     if dataset == "hf" and not resolve_path(str(dataset_path)).is_dir():
         raise ConfigError(hub_dataset_problem(dataset_flag, path_flag, str(dataset_path)))
-    source = build_document_source(dataset, dataset_path, dataset_flag, path_flag, held_out=held_out)
+    source: StoreSource
+    if dataset == "chat":
+        assert dataset_path is not None, "config/validate.py requires a dataset path here"
+        source = build_conversation_source(dataset_path, path_flag, tokenizer, chat)
+    else:
+        source = build_document_source(dataset, dataset_path, dataset_flag, path_flag, held_out=held_out)
     return cached_store(source, tokenizer, cache_dir(cache), prepare), source.origin
 
 
-def build_stream(tokenizer: Tokenizer, training: Training, prepare: bool = True) -> WindowStream | None:
+def build_conversation_source(dataset_path: str, path_flag: str, tokenizer: Tokenizer, chat: Chat
+                              ) -> ConversationSource:
+    """The conversations at `dataset_path`, rendered by --chat.template_path's template (or the tokenizer's)."""
+    encoder = ConversationEncoder(load_chat_template(chat.template_path, tokenizer), tokenizer, chat.messages_field)
+    return ConversationSource(dataset_path, path_flag, encoder)
+
+
+def build_stream(tokenizer: Tokenizer, training: Training, chat: Chat = Chat(), prepare: bool = True
+                 ) -> WindowStream | None:
     """The global window stream of --training.dataset, or of the sources of --training.mixture drawn with
     --training.seed. Without `prepare`, None when a source's store is not made yet."""
     sources = []
     for entry, dataset_flag, path_flag in training_entries(training):
         store, origin = source_store(entry.dataset, entry.path, tokenizer, training.dataset_cache_dir, dataset_flag,
-                                     path_flag, prepare=prepare)
+                                     path_flag, chat, prepare=prepare)
         if store is None:
             return None
-        sources.append((SourceWindows(store, training.seq_len, entry.source, origin, training.seed,
-                                      training.shuffle), entry.weight))
+        sources.append((build_source_windows(store, training.seq_len, entry.source, origin, training.seed,
+                                             training.shuffle, chat.train_on), entry.weight))
     return WindowStream(sources, training.seed)
 
 
 def build_dataloader(tokenizer: Tokenizer, training: Training, dp_rank: int, dp_degree: int,
-                     pin_memory: bool = False) -> DataParallelLoader:
+                     pin_memory: bool = False, chat: Chat = Chat()) -> DataParallelLoader:
     """The training loader of data-parallel rank `dp_rank` of `dp_degree`."""
-    stream = build_stream(tokenizer, training)
+    stream = build_stream(tokenizer, training, chat)
     assert stream is not None, "build_stream prepares every store it needs"
     return DataParallelLoader(stream, training.local_batch_size, dp_rank, dp_degree, pin_memory)
 
@@ -205,20 +232,23 @@ class ValidationBatches:
         global_batch_size = self.local_batch_size * self.dp_degree
         for batch in range(self.num_batches()):
             first = batch * global_batch_size + self.dp_rank * self.local_batch_size
-            yield as_batch(np.stack([self.windows.window(first + row) for row in range(self.local_batch_size)]))
+            windows = Windows.empty(self.local_batch_size, self.seq_len + 1)
+            for row in range(self.local_batch_size):
+                windows.set_row(row, self.windows.window(first + row))
+            yield as_batch(windows)
 
 
 def build_validation_batches(tokenizer: Tokenizer, validation: Validation, training: Training, dp_rank: int,
-                             dp_degree: int) -> ValidationBatches:
+                             dp_degree: int, chat: Chat = Chat()) -> ValidationBatches:
     """The validation batches of --validation.dataset (shipped: the shipped corpus's held-out documents). None for
     --validation.local_batch_size or seq_len means training's value. Raises a ConfigError if the set does not fill
     one global batch."""
     local_batch_size = validation.local_batch_size or training.local_batch_size
     seq_len = validation.seq_len or training.seq_len
     store, origin = source_store(validation.dataset, validation.dataset_path, tokenizer, training.dataset_cache_dir,
-                                 "--validation.dataset", "--validation.dataset_path", held_out=True)
+                                 "--validation.dataset", "--validation.dataset_path", chat, held_out=True)
     seq_len_flag = "--validation.seq_len" if validation.seq_len else "--training.seq_len"
-    windows = SourceWindows(store, seq_len, origin, origin, training.seed, shuffle=False, seq_len_flag=seq_len_flag)
+    windows = build_source_windows(store, seq_len, origin, origin, training.seed, False, chat.train_on, seq_len_flag)
     batches = ValidationBatches(windows, local_batch_size, validation.steps, dp_rank, dp_degree)
     check_one_global_batch(batches, validation, origin)
     return batches

@@ -6,10 +6,12 @@ A store is a folder of three files:
                  source's document order: uint16 when the vocabulary has at most 65,536 ids, else uint32
   documents.npy  int64 offsets, one per document and one past the last: document d is
                  tokens[documents[d]:documents[d + 1]]
+  roles.npy      chat stores only (titan/data/conversations.py): uint8, one per token, 0 where the model reads the
+                 token, 1 where an assistant wrote it, 2 in a conversation's last assistant turn
   meta.json      format and version, the tokenizer's fingerprint and vocabulary size, the source (kind, path, split,
                  each file's size, modification time and SHA-256), the counts, and content_hash: a SHA-256 of the
                  source files' hashes, the split and the tokenizer, which names the data in checkpoints
-Both arrays are standard .npy files: `numpy.load(path, mmap_mode="r")` reads them without Titan.
+The arrays are standard .npy files: `numpy.load(path, mmap_mode="r")` reads them without Titan.
 
 A store is written under a temporary name in the same folder and renamed into place once complete (meta.json
 last), so a folder with the final name is never half-written: a preparation stopped by a full disk, a signal or a
@@ -30,7 +32,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,7 +43,7 @@ from titan.metrics.log import logger
 
 STORE_FORMAT = "titan-token-store"
 STORE_VERSION = 1
-TOKENS_FILE, DOCUMENTS_FILE, META_FILE = "tokens.npy", "documents.npy", "meta.json"
+TOKENS_FILE, DOCUMENTS_FILE, ROLES_FILE, META_FILE = "tokens.npy", "documents.npy", "roles.npy", "meta.json"
 HEADER_BYTES = 128
 """Both arrays are written before their length is known, behind a .npy header padded to this size and filled in
 at the end (numpy's own headers are padded to a multiple of 64 bytes; 128 holds any 1-D shape)."""
@@ -122,6 +124,9 @@ class SourceDescription:
     """train or held_out for the shipped corpus (titan/data/dataset.py), all for the others."""
     files: tuple[Path, ...]
     """Local files read, in reading order; empty for a dataset streamed from the Hugging Face hub."""
+    recipe: dict[str, Any] | None = None
+    """How a chat source becomes tokens besides the tokenizer (its template and messages field): part of the
+    store's identity. None for documents."""
 
     def file_stamps(self) -> list[dict[str, Any]]:
         """Each file's resolved path, size and modification time: what tells a changed file without reading it."""
@@ -141,6 +146,8 @@ def content_hash(file_records: list[dict[str, Any]], source: SourceDescription, 
     hub dataset, which has no local files, its name stands for its content."""
     identity = {"files": [record["sha256"] for record in file_records], "split": source.split,
                 "tokenizer": tokenizer_sha, "hub": None if source.files else source.path}
+    if source.recipe is not None:  # only then: documents' hashes, in existing checkpoints, stay what they were
+        identity["recipe"] = source.recipe
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
 
@@ -152,6 +159,8 @@ class TokenStore:
     tokens: np.ndarray
     documents: np.ndarray
     meta: dict[str, Any]
+    roles: np.ndarray | None = None
+    """A chat store's roles.npy; None for documents."""
 
     @property
     def num_tokens(self) -> int:
@@ -194,7 +203,8 @@ def open_store(path: Path, tokenizer: Tokenizer) -> TokenStore:
                                 f", fingerprint {meta['tokenizer']['sha256'][:12]}) than --model.tokenizer_path's "
                                 f"(vocabulary {tokenizer.vocab_size}, fingerprint {expected['sha256'][:12]})",
                           "Use the tokenizer it was prepared with, or prepare the source again with this one.")
-    return TokenStore(path, tokens, documents, meta)
+    roles = load_array(path / ROLES_FILE, np.dtype(np.uint8), meta["num_tokens"]) if meta.get("roles") else None
+    return TokenStore(path, tokens, documents, meta, roles)
 
 
 def load_array(path: Path, dtype: np.dtype, length: int) -> np.ndarray:
@@ -239,6 +249,32 @@ def start_worker(mergeable_ranks: dict[bytes, int], name: str, hf_json: Tokenize
     _worker_tokenizer = Tokenizer(mergeable_ranks, name, hf_json)
 
 
+@dataclass(frozen=True)
+class EncodedChunk:
+    """Consecutive documents of a source, tokenized."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    """Each document's number of tokens."""
+    chars: int
+    """Characters read to make them, for progress lines."""
+    roles: np.ndarray | None = None
+    """Each token's role, for a chat source (ROLES_FILE)."""
+
+
+class StoreSource(Protocol):
+    """What a store is prepared from."""
+
+    origin: str
+    """The flag and value it comes from, for error messages."""
+    description: SourceDescription
+    """What the store records as its source."""
+
+    def encoded(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> Iterator[EncodedChunk]:
+        """Every document, tokenized, in a fixed order, with up to `workers` processes."""
+        ...
+
+
 def encode_in_worker(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     assert _worker_tokenizer is not None, "start_worker runs first in every worker"
     return encode_documents(_worker_tokenizer, texts, dtype)
@@ -268,13 +304,13 @@ def text_chunks(documents: Iterable[str]) -> Iterator[tuple[list[str], int]]:
 
 
 def encoded_chunks(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dtype, workers: int
-                   ) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """(tokens, document lengths, characters) of `documents`, chunk by chunk in order: tokenized in this process
-    until PARALLEL_FROM_CHARS characters have gone by, then by `workers` processes, each a few chunks ahead."""
+                   ) -> Iterator[EncodedChunk]:
+    """`documents` tokenized, chunk by chunk in order: in this process until PARALLEL_FROM_CHARS characters have
+    gone by, then by `workers` processes, each a few chunks ahead."""
     chunks = text_chunks(documents)
     seen = 0
     for texts, chars in chunks:
-        yield *encode_documents(tokenizer, texts, dtype), chars
+        yield EncodedChunk(*encode_documents(tokenizer, texts, dtype), chars)
         seen += chars
         if workers > 1 and seen >= PARALLEL_FROM_CHARS:
             break
@@ -288,9 +324,9 @@ def encoded_chunks(documents: Iterable[str], tokenizer: Tokenizer, dtype: np.dty
             pending.append((pool.submit(encode_in_worker, texts, dtype), chars))
             if len(pending) > 2 * workers:
                 future, done_chars = pending.pop(0)
-                yield *future.result(), done_chars
+                yield EncodedChunk(*future.result(), done_chars)
         for future, done_chars in pending:
-            yield *future.result(), done_chars
+            yield EncodedChunk(*future.result(), done_chars)
 
 
 class Progress:
@@ -365,33 +401,44 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def prepare_store(documents: Iterable[str], source: SourceDescription, tokenizer: Tokenizer, out: Path,
-                  origin: str, workers: int | None = None) -> TokenStore:
-    """Tokenize `documents` (the documents of `source`, in order) into a store at `out`, with `workers` processes
-    (default: every core). A folder already at `out` is replaced only once the new store is complete."""
+def prepare_store(source: StoreSource, tokenizer: Tokenizer, out: Path, workers: int | None = None) -> TokenStore:
+    """Tokenize the documents of `source` into a store at `out`, with `workers` processes (default: every core). A
+    folder already at `out` is replaced only once the new store is complete."""
     workers = workers or os.cpu_count() or 1
     temporary = temporary_folder(out)
     dtype = token_dtype(tokenizer.vocab_size)
+    description = source.description
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_abandoned(out)
         shutil.rmtree(temporary, ignore_errors=True)  # a killed process's with this PID, now reused by this one
         temporary.mkdir()
-        file_records = source.file_records()  # hashed first: a file changed while tokenizing then shows on resume
+        file_records = description.file_records()  # hashed first: a file changed while tokenizing then shows on resume
         tokens = NpyWriter(temporary / TOKENS_FILE, dtype)
         offsets = NpyWriter(temporary / DOCUMENTS_FILE, np.dtype(np.int64))
         offsets.append(np.zeros(1, dtype=np.int64))
-        progress = Progress(origin)
-        for chunk_tokens, lengths, chars in encoded_chunks(documents, tokenizer, dtype, workers):
-            offsets.append(tokens.length + np.cumsum(lengths))
-            tokens.append(chunk_tokens)
-            progress.add(len(lengths), len(chunk_tokens), chars)
-        tokens.close()
-        offsets.close()
-        source_record = {"kind": source.kind, "path": source.path, "split": source.split, "files": file_records}
+        roles = NpyWriter(temporary / ROLES_FILE, np.dtype(np.uint8)) if description.recipe is not None else None
+        progress = Progress(source.origin)
+        for chunk in source.encoded(tokenizer, dtype, workers):
+            offsets.append(tokens.length + np.cumsum(chunk.lengths))
+            tokens.append(chunk.tokens)
+            if roles is not None:
+                roles.append(chunk.roles)
+            progress.add(len(chunk.lengths), len(chunk.tokens), chunk.chars)
+        for writer in (tokens, offsets, roles):
+            if writer is not None:
+                writer.close()
+        source_record = {"kind": description.kind, "path": description.path, "split": description.split,
+                         "files": file_records}
+        if description.recipe is not None:
+            source_record["chat"] = description.recipe
+        # Chat sources tokenize in this process (titan/data/conversations.py), documents in workers when large.
+        processes = workers if roles is None and progress.chars > PARALLEL_FROM_CHARS else 1
         meta = store_meta(dtype, tokens.length, offsets.length - 1, tokenizer, source_record,
-                          content_hash(file_records, source, tokenizer_fingerprint(tokenizer)),
-                          progress.summary(out, workers if progress.chars > PARALLEL_FROM_CHARS else 1))
+                          content_hash(file_records, description, tokenizer_fingerprint(tokenizer)),
+                          progress.summary(out, processes))
+        if roles is not None:
+            meta["roles"] = True
         (temporary / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         os.rename(temporary, out)

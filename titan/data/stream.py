@@ -75,9 +75,31 @@ def permuted_index(index: int, size: int, key: int) -> int:
             return value
 
 
+@dataclass(frozen=True)
+class Windows:
+    """Windows of seq_len + 1 tokens (rows), and for each token whether it is a target that trains (its prediction
+    from the tokens before it carries the loss) and whether it is the last token of its document."""
+
+    tokens: np.ndarray
+    """int64 (rows, seq_len + 1)."""
+    trains: np.ndarray
+    """bool, the same shape: every token of a document; an assistant's tokens of a conversation (--chat.train_on)."""
+    ends: np.ndarray
+    """bool, the same shape."""
+
+    @staticmethod
+    def empty(rows: int, window_len: int) -> "Windows":
+        return Windows(np.empty((rows, window_len), dtype=np.int64), np.empty((rows, window_len), dtype=bool),
+                       np.empty((rows, window_len), dtype=bool))
+
+    def set_row(self, row: int, window: "Windows") -> None:
+        """Row `row` becomes `window` (one window: 1-D arrays)."""
+        self.tokens[row], self.trains[row], self.ends[row] = window.tokens, window.trains, window.ends
+
+
 @dataclass
 class SourceWindows:
-    """One source's windows, epoch after epoch."""
+    """One source's windows, epoch after epoch: a store of documents cut into windows back to back."""
 
     store: TokenStore
     seq_len: int
@@ -91,14 +113,17 @@ class SourceWindows:
 
     def __post_init__(self) -> None:
         self.window_len = self.seq_len + 1
-        self.per_epoch = self.store.num_tokens // self.window_len
         if self.store.meta["num_documents"] == 0:
             raise ConfigError(f"{self.origin} has no documents with text. Point it at non-empty data.")
+        self.per_epoch = self.count_windows()
         if self.per_epoch == 0:
             raise ConfigError(f"{self.origin} has only {self.store.num_tokens} tokens per epoch, but one sequence "
                               f"needs {self.seq_len_flag} {self.seq_len} + 1 = {self.window_len}. Lower "
                               f"{self.seq_len_flag} or add more data.")
         self._content_key = int(self.store.content_hash[:16], 16)
+
+    def count_windows(self) -> int:
+        return self.store.num_tokens // self.window_len
 
     def window_at(self, drawn: int) -> tuple[int, int]:
         """(epoch, index in the store) of the window this source gives after `drawn` windows."""
@@ -107,11 +132,27 @@ class SourceWindows:
             return epoch, step
         return epoch, permuted_index(step, self.per_epoch, splitmix64(self.seed ^ self._content_key, epoch))
 
-    def window(self, drawn: int) -> np.ndarray:
-        """The tokens of the window this source gives after `drawn` windows, as int64."""
+    def window(self, drawn: int) -> Windows:
+        """The window this source gives after `drawn` windows (1-D arrays)."""
         _, index = self.window_at(drawn)
+        return self.read_window(index)
+
+    def read_window(self, index: int) -> Windows:
+        """Window `index` of the store: tokens [index x window_len, (index + 1) x window_len), all targets."""
         start = index * self.window_len
-        return self.store.tokens[start : start + self.window_len].astype(np.int64)
+        tokens = self.store.tokens[start : start + self.window_len].astype(np.int64)
+        return Windows(tokens, np.ones(self.window_len, dtype=bool), document_ends(self.store.documents, start,
+                                                                                   self.window_len))
+
+
+def document_ends(documents: np.ndarray, start: int, length: int) -> np.ndarray:
+    """Which of the tokens [start, start + length) of a store end their document (`documents`: its offsets)."""
+    ends = np.zeros(length, dtype=bool)
+    # Offsets start + 1 ... start + length: token offset - 1 ends a document.
+    first = np.searchsorted(documents, start + 1, side="left")
+    last = np.searchsorted(documents, start + length, side="right")
+    ends[documents[first:last] - start - 1] = True
+    return ends
 
 
 class WindowStream:
@@ -139,10 +180,10 @@ class WindowStream:
         """The source that window `window_index` of the stream is drawn from."""
         return self.sources[int(self.source_ids(window_index, 1)[0])]
 
-    def take(self, count: int, first: int = 0, length: int | None = None) -> np.ndarray:
-        """Windows [first, first + length) of the next `count` windows of the stream (default: all of them), as an
-        int64 array of shape (length, seq_len + 1); the stream then moves past all `count`. Reads only the windows
-        returned: a data-parallel rank's share of a global batch costs the same at any degree."""
+    def take(self, count: int, first: int = 0, length: int | None = None) -> Windows:
+        """Windows [first, first + length) of the next `count` windows of the stream (default: all of them), as
+        `length` rows; the stream then moves past all `count`. Reads only the windows returned: a data-parallel
+        rank's share of a global batch costs the same at any degree."""
         length = count - first if length is None else length
         num_sources = len(self.sources)
         if num_sources == 1:
@@ -153,10 +194,10 @@ class WindowStream:
             ids = self.source_ids(self.window_index, count)
             drawn = [d + int(b) for d, b in zip(self.drawn, np.bincount(ids[:first], minlength=num_sources))]
             taken = np.bincount(ids, minlength=num_sources).tolist()
-        windows = np.empty((length, self.seq_len + 1), dtype=np.int64)
+        windows = Windows.empty(length, self.seq_len + 1)
         for row in range(length):
             source = 0 if ids is None else int(ids[first + row])
-            windows[row] = self.sources[source].window(drawn[source])
+            windows.set_row(row, self.sources[source].window(drawn[source]))
             drawn[source] += 1
         for index, source in enumerate(self.sources):
             self.log_epochs(source, self.drawn[index], taken[index])

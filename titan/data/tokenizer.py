@@ -4,10 +4,12 @@ tokenizer.json of the same kind (GPT-2, Llama 3, Qwen2 and Qwen3: titan/data/tok
 
 import base64
 import binascii
+import functools
 import re
 import unicodedata
 from collections.abc import Iterator
 
+import numpy as np
 import regex
 import tiktoken
 
@@ -82,6 +84,8 @@ class Tokenizer:
         self.eos_id: int = special_tokens[EOS_TOKEN] if hf_json is None else hf_json.eos_id
         # The highest id + 1: a tokenizer.json's ids may leave gaps.
         self.vocab_size: int = max(max(mergeable_ranks.values()), max(special_tokens.values())) + 1
+        self.path: str | None = None
+        """--model.tokenizer_path, for a tokenizer read from a file (build_tokenizer): where its chat template is."""
 
     def encode(self, text: str, bos: bool, eos: bool) -> list[int]:
         """`text`'s ids, after BOS when `bos` and the tokenizer has one, and before EOS when `eos`."""
@@ -97,6 +101,83 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)
+
+    def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of a rendered chat template, and each one's (start, end) characters in `text`. Unlike encode, the
+        special tokens' strings in `text` are those tokens, as transformers' apply_chat_template encodes them
+        (the template writes them as strings); what lies between them is encoded as encode encodes text."""
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        start = 0
+        for match in self._special_pattern.finditer(text):
+            self._extend_ordinary(text[start:match.start()], start, ids, offsets)
+            ids.append(self.special_tokens[match.group()])
+            offsets.append((match.start(), match.end()))
+            start = match.end()
+        self._extend_ordinary(text[start:], start, ids, offsets)
+        return ids, offsets
+
+    @functools.cached_property
+    def _special_pattern(self) -> "re.Pattern[str]":
+        # Longest first, so that one special token's string inside another's matches as the longer one, as
+        # Hugging Face's added-token matching does.
+        names = sorted(self.special_tokens, key=len, reverse=True)
+        return re.compile("|".join(re.escape(name) for name in names))
+
+    def _extend_ordinary(self, text: str, first_char: int, ids: list[int], offsets: list[tuple[int, int]]) -> None:
+        """Append the ids of plain `text`, which starts at character `first_char` of the rendered text, and their
+        (start, end) characters there."""
+        if not text:
+            return
+        text_ids = self.encode(text, bos=False, eos=False)
+        nfc = self.hf_json is not None and self.hf_json.nfc
+        normalized, origins = nfc_origins(text) if nfc else (text, None)
+        starts, ends = token_char_spans(self.token_byte_lengths[text_ids], normalized)
+        if origins is not None:  # characters of the NFC text back to those of `text`
+            starts, ends = origins[0][starts], origins[1][ends - 1]
+        ids.extend(text_ids)
+        offsets.extend(zip((starts + first_char).tolist(), (ends + first_char).tolist()))
+
+    @functools.cached_property
+    def token_byte_lengths(self) -> np.ndarray:
+        """How many bytes each id decodes to, indexed by id (0 for ids no token has)."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        for token, rank in self.mergeable_ranks.items():
+            lengths[rank] = len(token)
+        for name, token_id in self.special_tokens.items():
+            lengths[token_id] = len(name.encode("utf-8"))
+        return lengths
+
+
+def token_char_spans(byte_lengths: np.ndarray, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) characters in `text` of tokens that decode to `byte_lengths` bytes each and together to `text`'s
+    UTF-8: a token that starts or ends inside a character's bytes covers that character, as Hugging Face's offsets
+    do."""
+    code_points = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+    char_bytes = 1 + (code_points >= 0x80) + (code_points >= 0x800) + (code_points >= 0x10000)
+    char_of_byte = np.repeat(np.arange(len(text)), char_bytes)
+    token_ends = np.cumsum(byte_lengths)
+    return char_of_byte[token_ends - byte_lengths], char_of_byte[token_ends - 1] + 1
+
+
+def nfc_origins(text: str) -> tuple[str, tuple[np.ndarray, np.ndarray] | None]:
+    """`text` in NFC and, when that changes it, the (start, end) characters of `text` each of its characters comes
+    from: the grapheme cluster it was composed from (NFC composes within one), or all of `text` where composing the
+    clusters one by one would give another text."""
+    normalized = unicodedata.normalize("NFC", text)
+    if normalized == text:
+        return text, None
+    starts: list[int] = []
+    ends: list[int] = []
+    pieces = []
+    for cluster in regex.finditer(r"\X", text):
+        piece = unicodedata.normalize("NFC", cluster.group())
+        pieces.append(piece)
+        starts.extend([cluster.start()] * len(piece))
+        ends.extend([cluster.end()] * len(piece))
+    if "".join(pieces) != normalized:
+        return normalized, (np.zeros(len(normalized), dtype=np.int64), np.full(len(normalized), len(text)))
+    return normalized, (np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
 
 
 def isolated_pieces(text: str, splits: list[regex.Pattern]) -> list[str]:
@@ -151,8 +232,11 @@ def build_tokenizer(path: str) -> Tokenizer:
                           f"permissions.") from err
     if content.lstrip().startswith(b"{"):
         ranks, hf_json = read_tokenizer_json(resolved, content, path)
-        return Tokenizer(ranks, name=resolved.stem, hf_json=hf_json)
-    return Tokenizer(read_tiktoken_ranks(content, path), name=resolved.stem)
+        tokenizer = Tokenizer(ranks, name=resolved.stem, hf_json=hf_json)
+    else:
+        tokenizer = Tokenizer(read_tiktoken_ranks(content, path), name=resolved.stem)
+    tokenizer.path = path
+    return tokenizer
 
 
 def read_tiktoken_ranks(content: bytes, given: str) -> dict[bytes, int]:

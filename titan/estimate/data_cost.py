@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from titan.config.errors import ConfigError
-from titan.config.job import Training
+from titan.config.job import Chat, Training
 from titan.config.paths import resolve_path
 from titan.data.loader import PREFETCH_BATCHES, RankBatches, build_stream
 from titan.data.store import TokenStore
@@ -48,12 +48,12 @@ def sample_stream(training: Training, num_windows: int) -> WindowStream:
     return WindowStream([(windows, 1.0)], training.seed)
 
 
-def job_stream(training: Training, tokenizer_path: str) -> tuple[WindowStream | None, str]:
+def job_stream(training: Training, chat: Chat, tokenizer_path: str) -> tuple[WindowStream | None, str]:
     """The job's own stream when its tokenizer and every store are here, else None and why not."""
     if not resolve_path(tokenizer_path).is_file():
         return None, "a sample store: the tokenizer is not on this machine"
     try:
-        stream = build_stream(build_tokenizer(tokenizer_path), training, prepare=False)
+        stream = build_stream(build_tokenizer(tokenizer_path), training, chat, prepare=False)
     except ConfigError as err:  # a store or source missing here, or made for other data
         return None, f"a sample store: the job's data is not usable here ({str(err)[:120]}...)"
     if stream is None:
@@ -62,10 +62,10 @@ def job_stream(training: Training, tokenizer_path: str) -> tuple[WindowStream | 
 
 
 def measure_data_cost(training: Training, tokenizer_path: str, dp_rank: int, dp_degree: int,
-                      micro_batches: int) -> DataCost:
+                      micro_batches: int, chat: Chat = Chat()) -> DataCost:
     """The median time of TIMED_STEPS steps' batches of data-parallel rank `dp_rank` of `dp_degree`, after one
     untimed step."""
-    stream, measured_on = job_stream(training, tokenizer_path)
+    stream, measured_on = job_stream(training, chat, tokenizer_path)
     if stream is None:
         stream = sample_stream(training, 4 * training.local_batch_size * dp_degree)
     batches = RankBatches(stream, training.local_batch_size, dp_rank, dp_degree)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
@@ -25,6 +24,7 @@ from titan.config.hardware import Accelerator, simulated_accelerator
 from titan.config.job import JobConfig, Model
 from titan.config.paths import resolve_path
 from titan.config.stages import ideal_bubble_fraction
+from titan.data.loader import Batch, batch_to
 from titan.data.tokenizer import build_tokenizer
 from titan.estimate.cuda_shim import build_cuda_shim
 from titan.estimate.data_cost import DataCost, measure_data_cost
@@ -71,16 +71,15 @@ def join_fake_process_group(rank: int, world_size: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-def dry_run_vocabulary(model: Model) -> tuple[int, int]:
-    """(vocabulary size, EOS id) of the tokenizer when its file is here; otherwise the family's own vocabulary (its
-    flavors' placeholder size) and a token of it as the document marker, which only fake token ids carry."""
+def dry_run_vocab_size(model: Model) -> int:
+    """The tokenizer's vocabulary size when its file is here; otherwise the family's own (its flavors' placeholder
+    size)."""
     if resolve_path(model.tokenizer_path).is_file():
-        tokenizer = build_tokenizer(model.tokenizer_path)
-        return tokenizer.vocab_size, tokenizer.eos_id
+        return build_tokenizer(model.tokenizer_path).vocab_size
     vocab_size = FAMILIES[model.name].flavors[model.flavor].vocab_size
     logger.info(f"Dry run: --model.tokenizer_path {model.tokenizer_path!r} is not on this machine; using "
                 f"{model.name}'s vocabulary of {vocab_size} tokens.")
-    return vocab_size, FAMILIES[model.name].placeholder_eos_id
+    return vocab_size
 
 
 def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
@@ -97,14 +96,14 @@ def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
     return infos
 
 
-def random_batches(training: TrainingStep) -> Iterator[tuple[Tensor, Tensor]]:
-    """Random token ids of the real batch shape, made in host memory and copied to the device as the trainer copies
-    the loader's batches: the values never matter to shapes or memory."""
+def random_batches(training: TrainingStep) -> Iterator[Batch]:
+    """Random token ids of the real batch shape, and document ends, made in host memory and copied to the device as
+    the trainer copies the loader's batches: the values never matter to shapes or memory."""
     t, vocab_size = training.train_cfg, training.model_parts.args.vocab_size
     while True:
         tokens = torch.randint(0, vocab_size, (t.local_batch_size, t.seq_len + 1))
-        yield (tokens[:, :-1].to(training.device, non_blocking=True),
-               tokens[:, 1:].to(training.device, non_blocking=True))
+        ends = torch.zeros(t.local_batch_size, t.seq_len, dtype=torch.bool)
+        yield batch_to((tokens[:, :-1], tokens[:, 1:], ends), training.device)
 
 
 def run_step(training: TrainingStep, recorder: StepRecorder | None) -> None:
@@ -221,11 +220,11 @@ def simulate_rank(request: RankRequest) -> DryRunResult:
     device = torch.device("cuda", 0) if gpu is not None else torch.device("cpu")
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with simulated_gpu(gpu.name, gpu.capability, fake_mode) if gpu is not None else contextlib.nullcontext():
-        training = build_training_step(cfg, dims, device, *dry_run_vocabulary(cfg.model), simulation_mode(fake_mode))
+        training = build_training_step(cfg, dims, device, dry_run_vocab_size(cfg.model), simulation_mode(fake_mode))
         if training.model_parts.pipeline is not None:
             declare_static_shapes(training.model_parts.pipeline.schedule)
         recorder = record_step(training, fake_mode)
     dp_rank, dp_degree = data_parallel_rank(training.meshes)
     data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,
-                             training.grad_accumulation_steps)
+                             training.grad_accumulation_steps, cfg.chat)
     return dry_run_result(training, request.rank, recorder, data, host_memory=gpu is not None)

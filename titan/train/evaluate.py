@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+from titan.data.loader import Batch, batch_to
 
 
 @dataclass(frozen=True)
@@ -55,9 +55,8 @@ def evaluate(batches: Iterable[Batch],
     sums = torch.zeros(2, device=device)  # (summed loss, valid targets): one all-reduce and one host read for both
     num_batches = 0
     with torch.enable_grad() if compiled else torch.no_grad():
-        for inputs, labels in batches:
-            loss_sum, num_targets = batch_loss(inputs.to(device, non_blocking=True),
-                                               labels.to(device, non_blocking=True))
+        for batch in batches:
+            loss_sum, num_targets = batch_loss(*batch_to(batch, device))
             sums += torch.stack([loss_sum.detach(), num_targets])
             num_batches += 1
     total, num_targets = global_sum(sums).tolist()

@@ -87,8 +87,8 @@ class TrainingStep:
     meshes: Meshes | None
     device: torch.device
     model_parts: ModelParts
-    eos_id: int | None
-    """Block-causal attention: the token that ends a document; None: causal."""
+    block_causal: bool
+    """Attention stays within each document (the loader marks where documents end); off: causal over the sequence."""
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler
     grad_accumulation_steps: int
@@ -128,14 +128,14 @@ class TrainingStep:
         # Under --training.enable_cpu_offload the gradients, and so their norm, are in host memory.
         return loss_sum_local, grad_norm.to(self.device)
 
-    def micro_batch(self, inputs: Tensor, labels: Tensor) -> MicroBatch:
+    def micro_batch(self, inputs: Tensor, labels: Tensor, document_ends: Tensor) -> MicroBatch:
         """A (bs, seq) batch of the loader as this rank's model reads it: document layout and masked targets under
         block-causal attention, then this rank's context-parallel shard."""
-        if self.eos_id is None:
+        if not self.block_causal:
             positions, document_ids = sequence_positions(inputs), None
         else:
-            positions, document_ids = document_layout(inputs, self.eos_id)
-            labels = mask_cross_document_targets(inputs, labels, self.eos_id)
+            positions, document_ids = document_layout(document_ends)
+            labels = mask_cross_document_targets(labels, document_ends)
         cp_mesh = self.meshes.cp if self.dims.cp_enabled else None
         return MicroBatch(*shard_batch(cp_mesh, inputs, labels, positions, document_ids))
 
@@ -249,10 +249,10 @@ class TrainingStep:
         metrics["mtp_loss"] = self.last_mtp_loss.values()[0] if self.last_mtp_loss is not None else None
         return metrics
 
-    def evaluation_loss(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def evaluation_loss(self, inputs: Tensor, labels: Tensor, document_ends: Tensor) -> tuple[Tensor, Tensor]:
         """One validation batch, forward only: (this rank's summed loss, its valid targets), both zero on ranks
         without the last pipeline stage."""
-        micro_batch = self.micro_batch(inputs, labels)
+        micro_batch = self.micro_batch(inputs, labels, document_ends)
         loss_sum = self.run_micro_batch(micro_batch, torch.ones((), device=self.device), backward=False)
         if self.model_parts.pipeline is not None and not self.model_parts.pipeline.holds_last_stage:
             return loss_sum, torch.zeros((), device=self.device)
@@ -279,11 +279,10 @@ class BuildMode:
     (MoEArgs.valueless), and the bfloat16-state optimizer's update runs eagerly."""
 
 
-def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int, eos_id: int,
+def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,
                         mode: BuildMode = BuildMode()) -> TrainingStep:
     """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
-    its process group. `eos_id`: the tokenizer's EOS, which ends every document (block-causal attention). `mode`:
-    for training, or the dry run's simulation (BuildMode)."""
+    its process group. `mode`: for training, or the dry run's simulation (BuildMode)."""
     meshes = build_meshes(dims, device)
     set_seed(cfg.training.seed, cfg.training.deterministic and mode.fake_mode is None)
     compile_cfg = cfg.compile if mode.compile else replace(cfg.compile, enable=False)
@@ -322,7 +321,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         optimizer = build_optimizer(model_parts.model, cfg.optimizer, compile_update=not mode.valueless)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
-                        eos_id=eos_id if block_causal else None, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                        block_causal=block_causal, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
                         balancer=build_expert_balancer(model_parts.model, cfg.moe.load_balance_coeff,
                                                        meshes.loss if meshes is not None else None))

@@ -17,7 +17,7 @@ from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import to_toml
 from titan.config.paths import checkpoint_root
-from titan.data.loader import build_dataloader, build_validation_batches
+from titan.data.loader import Batch, batch_to, build_dataloader, build_validation_batches
 from titan.data.tokenizer import build_tokenizer
 from titan.exits import KnownStop
 from titan.metrics.goodput import (
@@ -105,16 +105,15 @@ class Trainer:
                          cpu_collectives=cfg.training.enable_cpu_offload)
         logger.info(f"Job: {cfg.job.description} (--job.description)")
         self.tokenizer = build_tokenizer(cfg.model.tokenizer_path)
-        self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size,
-                                            self.tokenizer.eos_id)
+        self.training = build_training_step(cfg, self.dims, self.device, self.tokenizer.vocab_size)
         set_collective_timeout(self.training.meshes, cfg.comm.init_timeout_seconds)
         self.events.write("built")
 
         dp_rank, dp_degree = data_parallel_rank(self.training.meshes)
-        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree,
+        self.dataloader = build_dataloader(self.tokenizer, cfg.training, dp_rank, dp_degree, chat=cfg.chat,
                                            pin_memory=self.device.type == "cuda")
         self.validation_batches = (build_validation_batches(self.tokenizer, cfg.validation, cfg.training, dp_rank,
-                                                            dp_degree) if cfg.validation.enable else None)
+                                                            dp_degree, cfg.chat) if cfg.validation.enable else None)
         model_parts = self.training.model_parts
         self.checkpointer = Checkpointer(cfg.checkpoint, self.dump_folder, model_parts.model,
                                          self.training.optimizer, self.training.lr_scheduler, self.dataloader,
@@ -196,7 +195,7 @@ class Trainer:
                     sink.close()
         logger.info(f"Training finished after {self.step} steps.")
 
-    def train_step(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> StepResult | None:
+    def train_step(self, data_iterator: Iterator[Batch]) -> StepResult | None:
         """Queue step self.step: forward and backward over its accumulation micro-batches and clipping, then, once
         the previous step is finished, its update, which the device skips when the step's own judgement says so
         (AnomalyGuard.skips_update). Finishing the previous step while this one runs is what keeps the host off the
@@ -214,7 +213,7 @@ class Trainer:
         self.queue_update(queued)
         return result
 
-    def queue_gradients(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> QueuedStep:
+    def queue_gradients(self, data_iterator: Iterator[Batch]) -> QueuedStep:
         """Draw this step's micro-batches and queue their forward and backward passes and the clipping."""
         data_position = self.dataloader.position()
         start = time.perf_counter()
@@ -280,11 +279,9 @@ class Trainer:
         self.write_record(anomaly.record())
         raise error
 
-    def next_batch(self, data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) on the device, copied without waiting where the loader pins memory."""
-        inputs, labels = next(data_iterator)
-        return inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+    def next_batch(self, data_iterator: Iterator[Batch]) -> Batch:
+        """The loader's next batch on the device, copied without waiting where the loader pins memory."""
+        return batch_to(next(data_iterator), self.device)
 
     def handle_anomaly(self, anomaly: Anomaly) -> bool:
         """Carry out a flagged step's --training.on_spike rollback (a skip when there is no checkpoint yet), then

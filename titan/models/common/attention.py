@@ -31,15 +31,16 @@ from titan.models.common.rotary import apply_rotary_emb
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-def document_layout(tokens: Tensor, eos_id: int) -> tuple[Tensor, Tensor]:
-    """(positions, document ids) of token ids (bs, seq), each (bs, seq) int64: a document starts right after every
-    EOS and at the window's first token (a document cut by the window's start), its positions count from 0 there,
-    and document ids count the documents of each row from 0."""
-    bs, seq = tokens.shape
-    starts = torch.zeros_like(tokens, dtype=torch.bool)
-    starts[:, 1:] = tokens[:, :-1] == eos_id
+def document_layout(document_ends: Tensor) -> tuple[Tensor, Tensor]:
+    """(positions, document ids) of a batch whose tokens (bs, seq) end their documents where `document_ends` (bs,
+    seq, bool) is set, each (bs, seq) int64: a document starts right after every end and at the window's first token
+    (a document cut by the window's start), its positions count from 0 there, and document ids count the documents
+    of each row from 0."""
+    bs, seq = document_ends.shape
+    starts = torch.zeros_like(document_ends)
+    starts[:, 1:] = document_ends[:, :-1]
     starts[:, 0] = True
-    index = torch.arange(seq, device=tokens.device).expand(bs, seq)
+    index = torch.arange(seq, device=document_ends.device).expand(bs, seq)
     last_start = torch.where(starts, index, 0).cummax(dim=1).values  # (bs, seq): where each token's document starts
     return index - last_start, starts.cumsum(dim=1) - 1
 

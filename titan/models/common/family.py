@@ -57,9 +57,6 @@ class ModelFamily:
     """The sizes tensor parallel splits, each with what it is: the degree must divide every one."""
     num_active_params: Callable[[Any, nn.Module], int]
     """Parameters one token's forward uses (all of them for a dense model), at full size."""
-    placeholder_eos_id: int
-    """A token id of the flavors' placeholder vocabulary that ends documents, where the tokenizer file is absent (a
-    dry run on another machine: only fake token ids carry it)."""
     parallel_plan: ParallelPlan
     """How the parallel stages split its modules (titan/models/common/parallel_plan.py)."""
     hf_mapping: Callable[[Any], HFMapping]

@@ -21,11 +21,12 @@ LogitsLoss = Callable[[Tensor, Tensor], Tensor]
 """The summed loss of logits (..., padded_vocab) against labels (...), over the real vocabulary."""
 
 
-def mask_cross_document_targets(inputs: Tensor, labels: Tensor, eos_id: int) -> Tensor:
-    """`labels` with the target of every EOS input made IGNORE_INDEX: under block-causal attention an EOS ends its
-    document and cannot see the next one, so the next document's first token (its BOS, where the tokenizer has one)
-    is no target. The EOS itself stays a target: ending a document is what the model learns from it."""
-    return labels.masked_fill(inputs == eos_id, IGNORE_INDEX)
+def mask_cross_document_targets(labels: Tensor, document_ends: Tensor) -> Tensor:
+    """`labels` with the target of every input that ends its document made IGNORE_INDEX: under block-causal
+    attention a document's last token (its EOS) cannot see the next document, so that document's first token (its
+    BOS, where the tokenizer has one) is no target. The last token itself stays a target: ending a document is what
+    the model learns from it."""
+    return labels.masked_fill(document_ends, IGNORE_INDEX)
 
 
 def num_valid_targets(labels: Tensor) -> Tensor:

@@ -9,8 +9,6 @@ from titan.models.common.moe import MoEArgs
 # DeepSeek-V3's vocabulary as its checkpoints store it (128,815 tokens padded to 129,280 rows). The flavor table uses
 # it as a placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
 DEEPSEEK_V3_VOCAB_SIZE = 129280
-DEEPSEEK_V3_EOS_ID = 1
-"""<｜end▁of▁sentence｜> in DeepSeek-V3's tokenizer."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,6 @@ from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_active_params
 from titan.models.common.parallel_plan import ParallelPlan
 from titan.models.deepseek_v3.args import (
-    DEEPSEEK_V3_EOS_ID,
     DEEPSEEK_V3_FLAVORS,
     DeepSeekV3Args,
     build_deepseek_v3_args,
@@ -39,4 +38,4 @@ DEEPSEEK_V3 = ModelFamily(
     name="deepseek_v3", args_type=DeepSeekV3Args, flavors=DEEPSEEK_V3_FLAVORS, build_args=build_args,
     model=Transformer, init_weights=init_weights, flops_per_token=flops_per_token,
     tensor_parallel_sizes=tensor_parallel_sizes, num_active_params=active_params,
-    placeholder_eos_id=DEEPSEEK_V3_EOS_ID, parallel_plan=PLAN, hf_mapping=hf_mapping)
+    parallel_plan=PLAN, hf_mapping=hf_mapping)

@@ -8,8 +8,6 @@ from titan.models.common.args import AttnBackend, DecoderArgs, RopeScaling
 # Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
 LLAMA3_VOCAB_SIZE = 128256
-LLAMA3_BOS_ID = 128000
-"""<|begin_of_text|> in Llama 3's tokenizer."""
 
 
 LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0)

@@ -5,7 +5,7 @@ from torch import nn
 from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_params
 from titan.models.common.parallel_plan import ATTENTION_TENSOR_PARALLEL, FEED_FORWARD_TENSOR_PARALLEL, ParallelPlan
-from titan.models.llama.args import LLAMA3_BOS_ID, LLAMA3_FLAVORS, ModelArgs, build_model_args, ffn_hidden_dim
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, build_model_args, ffn_hidden_dim
 from titan.models.llama.flops import flops_per_token
 from titan.models.llama.hf import hf_mapping
 from titan.models.llama.init import init_weights
@@ -32,6 +32,6 @@ def tensor_parallel_sizes(args: ModelArgs) -> list[tuple[str, int]]:
 LLAMA3 = ModelFamily(
     name="llama3", args_type=ModelArgs, flavors=LLAMA3_FLAVORS, build_args=build_args, model=Transformer,
     init_weights=init_weights, flops_per_token=training_flops, tensor_parallel_sizes=tensor_parallel_sizes,
-    num_active_params=active_params, placeholder_eos_id=LLAMA3_BOS_ID,
+    num_active_params=active_params,
     parallel_plan=ParallelPlan(tensor_parallel={**ATTENTION_TENSOR_PARALLEL, **FEED_FORWARD_TENSOR_PARALLEL}),
     hf_mapping=hf_mapping)

@@ -9,8 +9,6 @@ from titan.models.common.moe import MoEArgs
 # Qwen3's vocabulary as its checkpoints store it: 151,669 tokens padded to 151,936 rows. The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
 QWEN3_VOCAB_SIZE = 151936
-QWEN3_EOS_ID = 151643
-"""<|endoftext|> in Qwen3's tokenizer, which ends its pretraining documents."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,7 +6,7 @@ from torch import nn
 from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_active_params
 from titan.models.common.parallel_plan import ATTENTION_TENSOR_PARALLEL, FEED_FORWARD_TENSOR_PARALLEL, ParallelPlan
-from titan.models.qwen3.args import QWEN3_EOS_ID, QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
+from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
 from titan.models.qwen3.flops import flops_per_token
 from titan.models.qwen3.hf import hf_mapping
 from titan.models.qwen3.init import init_weights
@@ -40,4 +40,4 @@ PLAN = ParallelPlan(tensor_parallel={**ATTENTION_TENSOR_PARALLEL, "attention.q_n
 QWEN3 = ModelFamily(
     name="qwen3", args_type=Qwen3Args, flavors=QWEN3_FLAVORS, build_args=build_args, model=Transformer,
     init_weights=init_weights, flops_per_token=training_flops, tensor_parallel_sizes=tensor_parallel_sizes,
-    num_active_params=active_params, placeholder_eos_id=QWEN3_EOS_ID, parallel_plan=PLAN, hf_mapping=hf_mapping)
+    num_active_params=active_params, parallel_plan=PLAN, hf_mapping=hf_mapping)
