@@ -1,11 +1,11 @@
 """A decoder block's grouped-query attention, its kernels, and the documents of a packed sequence they may keep apart.
 
-Sequences are windows of documents packed back to back, each document ending with EOS (and starting with BOS where
-the tokenizer has one: Llama 3's does, Qwen3's doesn't, so the EOS is what marks a boundary). Causal attention lets a
-token read every earlier token of its sequence; block-causal attention only the earlier tokens of its own document
-(Llama 3's recipe), with rotary positions that restart at every document. `document_layout` reads both from the
-token ids; the model takes them as inputs, so a later stage can shard them with the tokens (context parallel) or
-hand them to every pipeline stage.
+Sequences are windows of documents (or conversations) packed back to back; the loader says which token ends each
+document, from the token store's document offsets rather than from token ids (a chat template may write the EOS id
+inside a conversation). Causal attention lets a token read every earlier token of its sequence; block-causal
+attention only the earlier tokens of its own document (Llama 3's recipe), with rotary positions that restart at every
+document. `document_layout` makes both from the document ends; the model takes them as inputs, so a later stage can
+shard them with the tokens (context parallel) or hand them to every pipeline stage.
 
 Each block's kernel is a parameter-free module, `attention.inner_attention`, and the model builds what the kernel
 reads once per forward (`Decoder.attention_mask`), shared by every block: a FlexAttention BlockMask, or for SDPA

@@ -71,9 +71,9 @@ class Decoder(nn.Module):
         """tokens (bs, seq) -> logits (bs, seq, padded_vocab); with labels (bs, seq), the summed loss of the valid
         targets instead (output_loss), without the whole logits. positions (bs, seq): each token's rotary position
         (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
-        causal over the sequence. attention.document_layout reads both from token ids. A part without the embedding
-        (a later pipeline stage) takes hidden states (bs, seq, dim) and their positions instead of tokens; one
-        without the output returns its hidden states."""
+        causal over the sequence. attention.document_layout makes both from where documents end. A part without the
+        embedding (a later pipeline stage) takes hidden states (bs, seq, dim) and their positions instead of tokens;
+        one without the output returns its hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seq, dim)
         rope = self.rope(sequence_positions(tokens) if positions is None else positions)
         mask = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape under TP
