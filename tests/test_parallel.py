@@ -143,13 +143,11 @@ LAYOUTS = {
               pp2_causal=["--training.local_batch_size", "4", *PP2, *CAUSAL],
               cp2_causal=["--training.local_batch_size", "4", *CP2, *CAUSAL]),
     # Conversations: the loss over their assistant tokens, normalized per valid target, under every split of them,
-    # each with a variant of its layout that the documents' cases leave out: replicated data parallel (HSDP),
-    # checkpointed TP blocks keeping their attention and reduce-scatter outputs (save_attention) on DTensors, and
-    # CP's all-to-all exchange.
+    # with variants of the layouts that the documents' cases leave out: checkpointed TP blocks keeping their
+    # attention and reduce-scatter outputs (save_attention) on DTensors, and CP's all-to-all exchange. (HSDP:
+    # qwen3_moe_hsdp2_ep2.)
     **layouts(1, None, ref_sft=["--training.local_batch_size", "4", *SFT]),
-    **layouts(2, "ref_sft", hsdp2_sft=["--training.local_batch_size", "2", *SFT,
-                                       "--parallelism.data_parallel_replicate_degree", "2",
-                                       "--parallelism.data_parallel_shard_degree", "1"],
+    **layouts(2, "ref_sft", fsdp2_sft=["--training.local_batch_size", "2", *FSDP2, *SFT],
               tp2_full_ac_sft=["--training.local_batch_size", "4", *TP2, "--activation_checkpoint.mode", "full", *SFT],
               pp2_sft=["--training.local_batch_size", "4", *PP2, *SFT],
               cp2_alltoall_sft=["--training.local_batch_size", "4", *CP2,
@@ -367,10 +365,10 @@ def test_causal_attention_matches_one_process(runs: CaseResults, case: str) -> N
     assert_same_run(runs, case)
 
 
-@pytest.mark.parametrize("case", ["hsdp2_sft", "tp2_full_ac_sft", "pp2_sft", "cp2_alltoall_sft"])
+@pytest.mark.parametrize("case", ["fsdp2_sft", "tp2_full_ac_sft", "pp2_sft", "cp2_alltoall_sft"])
 def test_fine_tuning_on_conversations_matches_one_process(runs: CaseResults, case: str) -> None:
     """Packed conversations whose prompts carry no loss: every layout divides the step's loss by the same count of
-    valid targets, however its ranks split them. HSDP, TP with full AC and CP's all-to-all run here only."""
+    valid targets, however its ranks split them. TP with full AC and CP's all-to-all run here only."""
     assert_same_run(runs, case)
 
 
