@@ -57,8 +57,8 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
 
 
 class RankBatches(BaseNode):
-    """torchdata node: this rank's (inputs, labels) of consecutive global batches, each with the stream's state
-    after it."""
+    """torchdata node: this rank's batches (inputs, labels, document ends) of consecutive global batches, each with
+    the stream's state after it."""
 
     def __init__(self, stream: WindowStream, local_batch_size: int, dp_rank: int, dp_degree: int) -> None:
         super().__init__()

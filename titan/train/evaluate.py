@@ -37,14 +37,14 @@ class EvalResult:
 
 
 def evaluate(batches: Iterable[Batch],
-             batch_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+             batch_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
              global_sum: Callable[[torch.Tensor], torch.Tensor], tokens_per_batch: int, device: torch.device,
              compiled: bool) -> EvalResult:
     """Mean loss per valid target over `batches`, this rank's share of each global validation batch.
 
-    `batch_loss(inputs, labels)` is this rank's (summed loss, valid targets) of one batch (both zero on ranks whose
-    loss another rank computes, such as pipeline stages before the last); `global_sum` adds a tensor over the ranks
-    that hold loss shares. `tokens_per_batch` counts one batch over all data-parallel ranks.
+    `batch_loss(inputs, labels, document_ends)` is this rank's (summed loss, valid targets) of one batch (both zero on
+    ranks whose loss another rank computes, such as pipeline stages before the last); `global_sum` adds a tensor over
+    the ranks that hold loss shares. `tokens_per_batch` counts one batch over all data-parallel ranks.
 
     Without gradients, except for a `compiled` model: its blocks then run the graphs compiled for training instead
     of compiling forward-only ones (which, for tensor-parallel blocks, fail inside torch 2.13's DTensor subclass
