@@ -15,9 +15,6 @@ and the message's tokens are what the second adds to the first. A conversation w
 assistant tokens neither finds is an error: training on it would train on the prompts, silently.
 """
 
-import gzip
-import json
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +26,7 @@ import numpy as np
 from titan.config.errors import ConfigError
 from titan.config.paths import resolve_path
 from titan.data.chat_template import ChatTemplate
-from titan.data.dataset import find_files, hf_folder_files, stream_hf_dataset, wanted_in_folder
+from titan.data.dataset import find_files, hf_folder_files, read_jsonl_records, stream_hf_dataset, wanted_in_folder
 from titan.data.store import CHUNK_CHARS, EncodedChunk, SourceDescription
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
@@ -136,26 +133,11 @@ class ConversationEncoder:
 
 
 def read_jsonl_rows(path: Path, messages_field: str, origin: str) -> Iterator[Row]:
-    line_number = 0
-    try:
-        with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz")
-              else open(path, encoding="utf-8")) as file:
-            for line_number, line in enumerate(file, start=1):
-                if not line.strip():
-                    continue
-                where = f"{origin}: {path} line {line_number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ConfigError(f"{where} is not valid JSON ({err.msg}). Expected {CHAT_FORMAT}.") from None
-                if not isinstance(record, dict) or messages_field not in record:
-                    raise ConfigError(f"{where} has no {messages_field!r} field (--chat.messages_field). Expected "
-                                      f"{CHAT_FORMAT}.")
-                yield Row(record[messages_field], where)
-    except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
-        where = f" past line {line_number}" if line_number else ""
-        raise ConfigError(f"{origin}: {path} can't be read{where} ({err}). Expected {CHAT_FORMAT}, in UTF-8, "
-                          f"optionally gzip-compressed.") from err
+    for where, record in read_jsonl_records(path, origin, CHAT_FORMAT):
+        if not isinstance(record, dict) or messages_field not in record:
+            raise ConfigError(f"{where} has no {messages_field!r} field (--chat.messages_field). Expected "
+                              f"{CHAT_FORMAT}.")
+        yield Row(record[messages_field], where)
 
 
 class ConversationSource:

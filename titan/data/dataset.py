@@ -60,33 +60,36 @@ def read_text_documents(path: Path, origin: str) -> Iterator[str]:
         yield "".join(lines).rstrip("\n")
 
 
-def read_jsonl_documents(path: Path, origin: str) -> Iterator[str]:
-    """The "text" field of each line of a .jsonl or .jsonl.gz file (gzip is told by the .gz suffix)."""
+def read_jsonl_records(path: Path, origin: str, expected: str) -> Iterator[tuple[str, Any]]:
+    """(where, record) of each non-blank line of a .jsonl or .jsonl.gz file (gzip is told by the .gz suffix), `where`
+    naming the line for error messages. `expected` describes the format the file should have, for errors."""
     line_number = 0
     try:
         with (gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz")
               else open(path, encoding="utf-8")) as file:
             for line_number, line in enumerate(file, start=1):
-                if line.strip():
-                    yield jsonl_text(line, path, line_number, origin)
+                if not line.strip():
+                    continue
+                where = f"{origin}: {path} line {line_number}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"{where} is not valid JSON ({err.msg}). Expected {expected}.") from None
+                yield where, record
     except (OSError, EOFError, zlib.error, UnicodeDecodeError) as err:
         # gzip.BadGzipFile is an OSError; a truncated .gz raises EOFError.
         where = f" past line {line_number}" if line_number else ""
-        raise ConfigError(f"{origin}: {path} can't be read{where} ({err}). Expected {JSONL_FORMAT}, in UTF-8, "
+        raise ConfigError(f"{origin}: {path} can't be read{where} ({err}). Expected {expected}, in UTF-8, "
                           f"optionally gzip-compressed.") from err
 
 
-def jsonl_text(line: str, path: Path, line_number: int, origin: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{origin}: {path} line {line_number} is not valid JSON ({err.msg}). Expected "
-                          f"{JSONL_FORMAT}.") from None
-    text = record.get("text") if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise ConfigError(f'{origin}: {path} line {line_number} has no string "text" field. Expected '
-                          f"{JSONL_FORMAT}.")
-    return text
+def read_jsonl_documents(path: Path, origin: str) -> Iterator[str]:
+    """The "text" field of each line of a .jsonl or .jsonl.gz file."""
+    for where, record in read_jsonl_records(path, origin, JSONL_FORMAT):
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ConfigError(f'{where} has no string "text" field. Expected {JSONL_FORMAT}.')
+        yield text
 
 
 def read_documents(path: Path, origin: str) -> Iterator[str]:
