@@ -232,10 +232,7 @@ class ValidationBatches:
         global_batch_size = self.local_batch_size * self.dp_degree
         for batch in range(self.num_batches()):
             first = batch * global_batch_size + self.dp_rank * self.local_batch_size
-            windows = Windows.empty(self.local_batch_size, self.seq_len + 1)
-            for row in range(self.local_batch_size):
-                windows.set_row(row, self.windows.window(first + row))
-            yield as_batch(windows)
+            yield as_batch(Windows.stack([self.windows.window(first + row) for row in range(self.local_batch_size)]))
 
 
 def build_validation_batches(tokenizer: Tokenizer, validation: Validation, training: Training, dp_rank: int,

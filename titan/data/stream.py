@@ -88,13 +88,10 @@ class Windows:
     """bool, the same shape."""
 
     @staticmethod
-    def empty(rows: int, window_len: int) -> "Windows":
-        return Windows(np.empty((rows, window_len), dtype=np.int64), np.empty((rows, window_len), dtype=bool),
-                       np.empty((rows, window_len), dtype=bool))
-
-    def set_row(self, row: int, window: "Windows") -> None:
-        """Row `row` becomes `window` (one window: 1-D arrays)."""
-        self.tokens[row], self.trains[row], self.ends[row] = window.tokens, window.trains, window.ends
+    def stack(rows: list["Windows"]) -> "Windows":
+        """Single windows (1-D arrays), one per row."""
+        return Windows(np.stack([row.tokens for row in rows]), np.stack([row.trains for row in rows]),
+                       np.stack([row.ends for row in rows]))
 
 
 @dataclass
@@ -194,16 +191,16 @@ class WindowStream:
             ids = self.source_ids(self.window_index, count)
             drawn = [d + int(b) for d, b in zip(self.drawn, np.bincount(ids[:first], minlength=num_sources))]
             taken = np.bincount(ids, minlength=num_sources).tolist()
-        windows = Windows.empty(length, self.seq_len + 1)
+        rows = []
         for row in range(length):
             source = 0 if ids is None else int(ids[first + row])
-            windows.set_row(row, self.sources[source].window(drawn[source]))
+            rows.append(self.sources[source].window(drawn[source]))
             drawn[source] += 1
         for index, source in enumerate(self.sources):
             self.log_epochs(source, self.drawn[index], taken[index])
             self.drawn[index] += taken[index]
         self.window_index += count
-        return windows
+        return Windows.stack(rows)
 
     @staticmethod
     def log_epochs(source: SourceWindows, drawn: int, taken: int) -> None:
