@@ -11,8 +11,9 @@ torch._grouped_mm against the per-expert loop (the path for devices without grou
 warm-ups. --steps runs train.py (fp32, seq_len 256, 4 sequences per step on the whole world, 12 steps) and reports
 the median of steps 3-12 of the slowest rank's step time (metrics.jsonl), so that setup and the first steps'
 allocations stay out. --precisions times forward + backward of the experts of 30B-A3B's shape (16 experts per rank,
-as under EP 8) in bf16 and with the converters' grouped matmuls: native where the GPU has them (float8 from Hopper,
-MX from Blackwell), emulated elsewhere (CPU figures show emulation's cost, not low precision's gain).
+as under EP 8) in bf16 and with the converters' grouped matmuls: native where torch has their kernels (float8 on
+Hopper, MX on data-center Blackwell: titan/config/validate.py), emulated elsewhere (CPU figures show emulation's
+cost, not low precision's gain).
 """
 
 import argparse
@@ -29,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from titan.config.validate import FLOAT8_GROUPED_MAJORS, MX_GROUPED_MAJORS  # noqa: E402
 from titan.models.common import moe as moe_module  # noqa: E402
 from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU  # noqa: E402
 from titan.quant.float8.grouped import Float8ExpertSwiGLU  # noqa: E402
@@ -110,8 +112,8 @@ def bench_precisions() -> None:
     print(f"Experts of 30B-A3B's shape ({experts} experts, dim {dim}, hidden {hidden}) over {tokens} x {top_k} "
           f"routed tokens, forward + backward, bf16, on {where}, torch {torch.__version__} (median of 10):")
     swiglus = {"bf16": HighPrecisionSwiGLU(),
-               "float8 rowwise": Float8ExpertSwiGLU("rowwise", emulate=capability < (9, 0)),
-               "mxfp8": MXExpertSwiGLU(emulate=capability < (10, 0))}
+               "float8 rowwise": Float8ExpertSwiGLU("rowwise", emulate=capability[0] not in FLOAT8_GROUPED_MAJORS),
+               "mxfp8": MXExpertSwiGLU(emulate=capability[0] not in MX_GROUPED_MAJORS)}
     baseline = None
     for name, swiglu in swiglus.items():
         seconds = time_swiglu(swiglu, tokens, dim, experts, top_k, hidden, device)

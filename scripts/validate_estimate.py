@@ -60,8 +60,8 @@ class Case:
         return "-cuda-" in self.name
 
 
-# The CPU cases of full AC recompute attention, as a GPU's eager checkpointed blocks do (titan/parallel/ac.py
-# keeps_attention), where a CPU run would keep it.
+# The CPU cases of full AC recompute attention, as a GPU's eager checkpointed blocks do
+# (titan/config/activation_checkpoint.py keeps_attention), where a CPU run would keep it.
 FULL_AC_RECOMPUTING_ALL = ("--activation_checkpoint.save_attention", "false")
 
 

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 from titan.config.domain import field_ranges
+from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import parse_args
+from titan.launch import read_max_restarts
 from titan.models.llama import LLAMA3_FLAVORS, Transformer
 from titan.parallel.ac import apply_ac
 from titan.train.optim import parameter_groups
@@ -67,6 +69,16 @@ def toml(text: bytes, expected: str) -> Case:
 
 
 LONG_TEXT = "Titan reads this sentence many times over. " * 40
+
+
+def chats(*conversations: list[tuple[str, str]]) -> bytes:
+    """A chat JSONL file: one row of {role, content} messages per conversation."""
+    return "".join(json.dumps({"messages": [{"role": role, "content": content} for role, content in conversation]})
+                   + "\n" for conversation in conversations).encode()
+
+
+# Conversations whose question fills TINY's window (32 + 1 tokens) before the answer starts.
+LONG_PROMPTS = chats(*[[("user", LONG_TEXT), ("assistant", f"Answer {i}.")] for i in range(3)])
 
 CASES: dict[str, Case] = {
     # [job] and the TOML file itself
@@ -158,6 +170,14 @@ CASES: dict[str, Case] = {
                                "--training.dataset_path", files={"empty.txt": b""}),
     "dataset_too_short": Case(["--training.dataset", "text", "--training.dataset_path", "{tmp}/short.txt"],
                               "--training.seq_len", files={"short.txt": b"hi"}),
+    "dataset_path_beside_shipped": Case(["--training.dataset_path", "{tmp}/chats.jsonl", "--chat.train_on",
+                                         "last_assistant"], "chats.jsonl' is given, but --training.dataset shipped "
+                                        "reads the shipped corpus and ignores it", files={"chats.jsonl": LONG_PROMPTS}),
+    "chat_train_on_without_conversations": Case(["--chat.train_on", "last_assistant"],
+                                                "--chat.train_on 'last_assistant' only applies to conversations"),
+    "chat_every_conversation_dropped": Case(["--training.dataset", "chat", "--training.dataset_path",
+                                             "{tmp}/chats.jsonl"], "all 3 would be dropped",
+                                            files={"chats.jsonl": LONG_PROMPTS}),
     "dataset_text_not_utf8": Case(["--training.dataset", "text", "--training.dataset_path", "{tmp}/l1.txt"],
                                   "l1.txt", files={"l1.txt": b"caf\xe9 " * 100}),
     "dataset_jsonl_bad_json": Case(["--training.dataset", "jsonl", "--training.dataset_path", "{tmp}/d.jsonl"],
@@ -223,6 +243,11 @@ CASES: dict[str, Case] = {
                                   "--model.vocab_size_multiple_of 3", world_size=2),
     "tp_heads_do_not_divide": Case(["--parallelism.tensor_parallel_degree", "3"],
                                    "--parallelism.tensor_parallel_degree 3", world_size=3),
+    "experts_resharded_under_recorded_checkpoints": Case(
+        ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--parallelism.pipeline_parallel_degree", "2",
+         "--parallelism.expert_parallel_degree", "2", "--parallelism.fsdp_reshard_after_forward", "always",
+         "--activation_checkpoint.mode", "selective"],
+        "--parallelism.fsdp_reshard_after_forward always reshards the experts", world_size=4),
     "ac_mode_unknown": flag("activation_checkpoint.mode", "partial"),
     "ac_option_word": Case(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
                             "every"], "--activation_checkpoint.selective_ac_option"),
@@ -276,6 +301,16 @@ CASES: dict[str, Case] = {
                                               files={"plain/a.txt": b"x"}),
     "load_step_without_checkpoint": Case(["--checkpoint.enable", "--checkpoint.load_step", "5"],
                                          "--checkpoint.load_step 5"),
+    "fault_step_after_the_last_step": Case(["--fault.kind", "kill", "--fault.step", "20"],
+                                           "--fault.step 20 is after the run's last step (--training.steps 1)"),
+    "mtp_weight_without_mtp": Case(["--training.mtp_loss_weight", "0.1"], "--training.mtp_loss_weight 0.1 only "
+                                   "applies to flavors with multi-token prediction modules"),
+    "hf_export_without_a_class": Case(["--model.name", "deepseek_v3", "--model.flavor", "16B", "--checkpoint.enable",
+                                       "--checkpoint.last_save_in_hf"], "--checkpoint.last_save_in_hf needs a Hugging "
+                                      "Face class for --model.name deepseek_v3 --model.flavor 16B"),
+    "initial_load_path_only_an_unfinished_step": Case(
+        ["--checkpoint.initial_load_path", "{tmp}/run/checkpoint"], "it holds only step-2.partial",
+        files={"run/checkpoint/step-2.partial/__0_0.distcp": b"x"}),
     "fault_kind_unknown": flag("fault.kind", "meteor"),
     "fault_without_a_time": Case(["--fault.kind", "kill"], "--fault.step"),
     "fault_rank_outside_the_job": Case(["--fault.kind", "hang", "--fault.step", "3", "--fault.rank", "2"],
@@ -454,8 +489,18 @@ LAUNCHER_CASES: dict[str, tuple[dict[str, str], list[str], str]] = {
     "log_rank_word": ({"LOG_RANK": "abc"}, [], "LOG_RANK"),
     "log_rank_outside_job": ({"LOG_RANK": "5"}, [], "LOG_RANK"),
     "config_file_env_missing": ({"CONFIG_FILE": "/no/such/job.toml"}, [], "CONFIG_FILE"),
-    "max_restarts_negative": ({"MAX_RESTARTS": "-1"}, [], "MAX_RESTARTS"),
+    "max_restarts_fraction": ({"MAX_RESTARTS": "1.5"}, [], "MAX_RESTARTS=1.5 (--max-restarts for python -m "
+                                                          "titan.launch) must be a whole number"),
 }
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "three", ""])
+def test_a_restart_budget_that_is_no_count_names_max_restarts(text: str) -> None:
+    """What the launcher reads --max-restarts (MAX_RESTARTS) with; launched, in LAUNCHER_CASES."""
+    with pytest.raises(ConfigError, match=f"MAX_RESTARTS={re.escape(text)} \\(--max-restarts for python -m "
+                                          f"titan.launch\\) must be a whole number, 0 or more"):
+        read_max_restarts(text)
+    assert read_max_restarts("3") == 3
 
 
 @pytest.mark.parametrize("name", sorted(LAUNCHER_CASES))

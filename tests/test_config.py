@@ -303,7 +303,8 @@ def test_large_configs_are_valid_at_the_world_size_they_document(name: str, worl
     path = ROOT / "configs" / name
     assert f"{world_size} GPUs" in path.read_text() or f"NGPU={world_size}" in path.read_text()
     load_job_config(["--job.config_file", str(path), "--model.tokenizer_path", "tokenizers/titan_2256.tiktoken",
-                     "--training.dataset", "shipped", "--model.attn_backend", "sdpa"], world_size)
+                     "--training.dataset", "shipped", "--training.dataset_path", "None", "--model.attn_backend",
+                     "sdpa"], world_size)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the rule is about gloo on CPU; NCCL runs are not affected")

@@ -104,10 +104,18 @@ def test_latent_attention_keeps_documents_apart() -> None:
 
 
 def test_future_labels_stay_in_their_document() -> None:
-    labels = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    """Labels not masked at the document end, so that only the rule keeps targets in their document: inputs 0-2
+    are one document and 3-5 the next, and labels[j] is the token j + 1 (token 6 follows the window)."""
+    tokens = torch.tensor([[0, 1, 2, 3, 4, 5]])
+    labels = tokens + 1
     document_ids = torch.tensor([[0, 0, 0, 1, 1, 1]])
-    assert future_labels(labels, None, 2).tolist() == [[3, 4, 5, 6, IGNORE_INDEX, IGNORE_INDEX]]
-    assert future_labels(labels, document_ids, 1).tolist() == [[2, 3, IGNORE_INDEX, 5, 6, IGNORE_INDEX]]
+    ignored = IGNORE_INDEX
+    assert future_labels(labels, None, 2).tolist() == [[3, 4, 5, 6, ignored, ignored]]
+    # Depth 1, position i's target is token i + 2: 2 (same document), 3 and 4 (the next one from positions 1 and 2),
+    # 5, then token 6 past the window (the last input's document, which position 4 shares).
+    assert future_labels(labels, document_ids, 1).tolist() == [[2, ignored, ignored, 5, 6, ignored]]
+    # Depth 2, token i + 3: position 0's is token 3, the next document's.
+    assert future_labels(labels, document_ids, 2).tolist() == [[ignored, ignored, ignored, 6, ignored, ignored]]
 
 
 def test_mtp_loss_enters_the_gradient_not_the_reported_loss() -> None:

@@ -110,9 +110,9 @@ def test_each_rank_is_a_child_of_one_serving_process() -> None:
 
 def test_dry_run_keeps_attention_as_the_simulated_gpu_would() -> None:
     """Full AC on a GPU keeps attention outputs when the job compiles and recomputes them in eager mode
-    (titan/parallel/ac.py keeps_attention), although the dry run itself never compiles: the recorded step of the
-    6-block debug model runs attention forward 6 times (kept) or 12 (recomputed), backward 6 times, and keeping
-    holds more memory at the peak."""
+    (titan/config/activation_checkpoint.py keeps_attention), although the dry run itself never compiles: the
+    recorded step of the 6-block debug model runs attention forward 6 times (kept) or 12 (recomputed), backward 6
+    times, and keeping holds more memory at the peak."""
     flags = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--activation_checkpoint.mode", "full"]
     eager = run_dry_run(load_job_config([*flags, "--job.dry_run"], 1), 1, rank=0)
     compiled = run_dry_run(load_job_config([*flags, "--training.compile", "--job.dry_run"], 1), 1, rank=0)
@@ -230,30 +230,47 @@ def test_cpu_offload_dry_runs_on_the_simulated_gpu(config: str, world_size: int,
     assert result.memory.by_category["gradients"] == result.memory.by_category["optimizer state"] == 0
 
 
-def test_experts_fsdp_inside_checkpointed_blocks_dry_run_on_the_simulated_gpu() -> None:
+@pytest.mark.parametrize("gpu, converter, padded_rows", [("H100", "float8", 2112), ("B200", "mx", 2176)])
+def test_experts_fsdp_inside_checkpointed_blocks_dry_run_on_the_simulated_gpu(gpu: str, converter: str,
+                                                                              padded_rows: int) -> None:
     """Qwen3-MoE with expert FSDP (EP 2 of 4 data-parallel ranks) in blocks that keep attention under compile (full
     AC with a selective-checkpoint context): on CUDA the experts' FSDP unit, first of the recompute, opens one more
     profiler range than in forward, and torch 2.13's selective checkpointing refused the backward (issue 33, found by
     the simulated GPU; the CPU build took the same path without that range).
 
-    On a simulated B200, with the first three MoE layers' experts in float8 rowwise and the last three in MXFP8 (dense
-    linears in bf16): every expert matmul is a native torch._scaled_grouped_mm, whose meta checks (operand layouts,
-    scale shapes, offsets) a GPU applies, counted at the float8 peak. Each rank's experts get an even share of the
-    routed tokens, 4 x 256 x top 2 = 2048 rows, which the converter pads to whole blocks of 16 (float8) or 32 (MX)
-    per expert: an upper bound of 2048 + 4 local experts x 15 (or 31) rows, rounded up, 2112 and 2176. Each layer
-    runs 12 grouped matmuls (3 forward, 3 recomputed, 3 grad_input, 3 grad_weight) of 2 x rows x dim x hidden FLOPs."""
+    With every MoE layer's experts in low precision where torch has their kernels, float8 rowwise on a simulated H100
+    and MXFP8 on a simulated B200 (dense linears in bf16): every expert matmul is a native torch._scaled_grouped_mm,
+    whose meta checks (operand layouts, scale shapes, offsets) a GPU applies, counted at the float8 peak. Each rank's
+    experts get an even share of the routed tokens, 4 x 256 x top 2 = 2048 rows, which the converter pads to whole
+    blocks of 16 (float8) or 32 (MX) per expert: an upper bound of 2048 + 4 local experts x 15 (or 31) rows, rounded
+    up, 2112 and 2176. Each layer runs 12 grouped matmuls (3 forward, 3 recomputed, 3 grad_input, 3 grad_weight) of
+    2 x rows x dim x hidden FLOPs."""
     cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "qwen3_debug_moe.toml"),
                            "--activation_checkpoint.mode", "full", "--training.compile",
-                           "--training.mixed_precision_param", "bfloat16", "--estimate.gpu", "B200",
-                           "--model.converters", "float8", "mx", "--float8.recipe_name", "rowwise",
-                           "--float8.filter_fqns", "output", "attention", "--float8.moe_fqns_prototype", "layers.0.",
-                           "layers.1.", "layers.2.", "--mx.filter_fqns", "output", "attention",
-                           "--mx.moe_fqns_prototype", "layers.3.", "layers.4.", "layers.5.", "--job.dry_run"], 4)
+                           "--training.mixed_precision_param", "bfloat16", "--estimate.gpu", gpu,
+                           "--model.converters", converter, "--float8.recipe_name", "rowwise",
+                           f"--{converter}.filter_fqns", "output", "attention", "--job.dry_run"], 4)
     result = run_dry_run(cfg, 4, rank=0)
     assert result.memory.total > 0
     dim = hidden = 256
-    expected = 12 * 2 * dim * hidden * (3 * 2112 + 3 * 2176)
+    expected = 12 * 2 * dim * hidden * 6 * padded_rows
     assert sum(op.flops for op in result.ops if op.precision == "fp8") == expected
+
+
+def test_pipelined_experts_fsdp_inside_recording_checkpoints_dry_runs_on_the_simulated_gpu() -> None:
+    """DeepSeek-V3's 671B layout in miniature on 8 simulated H100s: PP 2, EP 2, the experts FSDP-sharded over 2
+    inside blocks that compile and keep attention under full AC (a selective-checkpoint context, which records each
+    block's ops). The last pipeline rank's second micro-batch gathered its experts in the recompute and not in its
+    forward while they were resharded after every forward: torch 2.13 refused the backward there
+    (fsdp.split_with_sizes_copy "not found in storage"); the experts now stay gathered between micro-batches
+    (titan/parallel/fsdp.py reshard_experts_after_forward)."""
+    flags = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel", "--training.local_batch_size", "2",
+             "--training.seq_len", "64", "--parallelism.pipeline_parallel_degree", "2",
+             "--parallelism.expert_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "1",
+             "--activation_checkpoint.mode", "full", "--training.compile", "--training.mixed_precision_param",
+             "bfloat16", "--job.dry_run"]
+    result = run_dry_run(load_job_config(flags, 8), 8, rank=7)
+    assert result.memory.total > 0
 
 
 def test_nvfp4_matmuls_count_both_elements_of_each_byte() -> None:

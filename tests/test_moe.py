@@ -14,9 +14,10 @@ from titan.models.common import moe as moe_module
 from titan.models.common.flops import num_active_params, num_params
 from titan.models.common.moe import MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
 from titan.models.qwen3 import QWEN3_FLAVORS, Transformer, init_weights
+from titan.parallel.ac import op_sac_context
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import expert_major_order
-from titan.train.expert_balance import ExpertBalancer
+from titan.train.expert_balance import ExpertBalancer, build_expert_balancer
 
 from harness.torchrun import run_torchrun
 
@@ -60,6 +61,7 @@ def test_tied_flavors_share_one_matrix() -> None:
 
 
 MOE = MoEArgs(num_experts=4, top_k=2, hidden_dim=16)
+CPU = torch.device("cpu")
 
 
 def build_moe(args: MoEArgs = MOE, dim: int = 8, seed: int = 0) -> MoE:
@@ -170,12 +172,42 @@ def test_token_counts_skip_forwards_without_gradients() -> None:
     assert layer.tokens_per_expert.sum().item() == 20
 
 
+@pytest.mark.parametrize("checkpointing", ["full", "selective_op", "full_compiled"])
+def test_a_recomputed_block_counts_its_routed_tokens_once(checkpointing: str) -> None:
+    """Activation checkpointing runs a block's forward again in backward: the counts are the routed copies of the
+    forward, 2 x 5 tokens x top 2, as without checkpointing. Compiled, the recompute is part of the backward graph,
+    which does not replay the forward's update of the counts."""
+    block = torch.nn.Module()
+    block.moe = build_moe()
+    block.forward = lambda x: block.moe(x)
+    context = {"context_fn": op_sac_context} if checkpointing == "selective_op" else {}
+    wrapped = checkpoint_wrapper(block, preserve_rng_state=False, **context)
+    if checkpointing == "full_compiled":
+        wrapped.compile(backend="aot_eager")
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    wrapped(x).sum().backward()
+    assert x.grad.ne(0).any()
+    assert block.moe.tokens_per_expert.sum().item() == 2 * 5 * 2
+
+
+def test_a_pipeline_rank_without_experts_still_takes_part_in_the_count() -> None:
+    """A pipeline rank whose stages hold only dense blocks (DeepSeek-V3's first) keeps a balancer: its table is
+    all zero rows, so its share of the all-reduce its peers run over every rank is nothing, and the load it reports
+    (none of its own) comes from theirs."""
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.Linear(8, 8)})})
+    model.args = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], n_layers=3)
+    balancer = build_expert_balancer(model, MOE, coeff=0.01, count_mesh=None, device=CPU)
+    assert balancer is not None and not balancer.layers
+    assert torch.equal(balancer.count_table(), torch.zeros(3, 4 + 1))
+    assert build_expert_balancer(model, None, coeff=0.01, count_mesh=None, device=CPU) is None
+
+
 def test_balancer_moves_biases_towards_the_mean_and_resets_the_counts() -> None:
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"0": torch.nn.Module()})})
     model.layers["0"].moe = build_moe(dataclasses.replace(MOE, load_balance_coeff=0.01))
     layer = model.layers["0"].moe
     layer.tokens_per_expert.copy_(torch.tensor([6.0, 2.0, 4.0, 4.0]))
-    balancer = ExpertBalancer(model, num_blocks=1, coeff=0.01, count_mesh=None)
+    balancer = ExpertBalancer(model, num_blocks=1, num_experts=4, coeff=0.01, count_mesh=None, device=CPU)
     balancer.after_optimizer_step(skip=torch.tensor(True))  # a skipped update leaves the bias
     torch.testing.assert_close(layer.router.expert_bias, torch.zeros(4))
     assert layer.tokens_per_expert.sum() == 0
@@ -195,7 +227,7 @@ def test_load_metrics_name_each_layer_by_its_block_in_the_whole_model() -> None:
     block.moe = build_moe()
     model = torch.nn.ModuleDict({"layers": torch.nn.ModuleDict({"2": checkpoint_wrapper(block)})})
     block.moe.tokens_per_expert.copy_(torch.tensor([3.0, 5.0, 4.0, 4.0]))
-    balancer = ExpertBalancer(model, num_blocks=4, coeff=0.01, count_mesh=None)
+    balancer = ExpertBalancer(model, num_blocks=4, num_experts=4, coeff=0.01, count_mesh=None, device=CPU)
     balancer.after_optimizer_step(skip=None)
     assert balancer.load_metrics() == {"moe_imbalance": pytest.approx(5 / 4), "tokens_per_expert": {
         "layers.2": [3, 5, 4, 4]}}

@@ -24,9 +24,9 @@ from torchao.quantization.quantize_.common import KernelPreference
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.hardware import SIMULATED_GPUS
+from titan.config.hardware import SIMULATED_GPUS, Accelerator
 from titan.config.job import MX, NVFP4, Float8
-from titan.config.validate import validate
+from titan.config.validate import find_problems, validate
 from titan.models.common.moe import HighPrecisionSwiGLU, MoE, MoEArgs, moe_layers
 from titan.models.families import FAMILIES
 from titan.quant.convert import apply_converters, apply_float8, format_report
@@ -268,14 +268,43 @@ def test_float8_and_mx_cannot_both_take_the_experts() -> None:
         apply_converters(qwen3_moe_on_meta(), ["float8", "mx"], Float8(filter_fqns=["output", "attention"]),
                          MX(), NVFP4(), tp_degree=1, fsdp_enabled=False, print_after_conversion=False)
     message = str(error.value)
-    assert "layers.0.moe.experts" in message and "--mx.moe_fqns_prototype with no value" in message
+    assert "--model.converters float8 and mx would both convert the experts of 6 MoE layers (layers.0.moe.experts" \
+        in message and "linear layers" not in message  # the filters keep the linears apart
+    assert "--float8.moe_fqns_prototype and --mx.moe_fqns_prototype" in message
+
+
+# (major, minor) of NVIDIA parts: Ampere, Ada, Hopper, the data-center Blackwells (B200, B300), Thor and the other
+# Blackwells (RTX 50, DGX Spark).
+CAPABILITIES = [(8, 0), (8, 9), (9, 0), (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)]
+
+
+def test_native_low_precision_is_refused_where_torch_ships_no_kernel() -> None:
+    """Which GPUs each native matmul is accepted on, as torch 2.11 to 2.13 ship their kernels (the same in all three,
+    read from their CUDA builds; torch's own tests gate alike, torch/testing/_internal/common_cuda.py): float8 linears
+    (torch._scaled_mm) from 8.9 on; MX linears (cuBLAS's block-scaled GEMMs) from 10.0 on; float8 experts
+    (torch._scaled_grouped_mm's rowwise kernel, built for SM90 alone: PLATFORM_SUPPORTS_FP8_GROUPED_GEMM is SM90 and
+    not SM100) on 9.x only; MXFP8 experts (its kernel built for SM100 and SM103: PLATFORM_SUPPORTS_MXFP8_GROUPED_GEMM)
+    on 10.x only. Before, float8 experts passed on every GPU from 9.0 and MX experts on every one from 10.0, and a
+    12.0 card failed at the first MoE forward."""
+    moe = ["--model.name", "qwen3", "--model.flavor", "debugmodel_moe"]
+    dense_only = ["--float8.moe_fqns_prototype", "--mx.moe_fqns_prototype"]
+    cases = {"float8 linears": (["--model.converters", "float8", *dense_only], lambda c: c >= (8, 9)),
+             "mx linears": (["--model.converters", "mx", *dense_only], lambda c: c >= (10, 0)),
+             "float8 experts": ([*moe, "--model.converters", "float8"], lambda c: c[0] == 9),
+             "mx experts": ([*moe, "--model.converters", "mx"], lambda c: c[0] == 10)}
+    for name, (flags, runs_on) in cases.items():
+        cfg = load_job_config(["--job.config_file", DEBUG_TOML, *flags, "--job.print_config"], world_size=1)
+        for capability in CAPABILITIES:
+            problems = find_problems(cfg, 1, Accelerator(f"a {capability} GPU", capability))[1]
+            assert (problems == []) == runs_on(capability), f"{name} on {capability}: {problems}"
+            assert all("emulate" in problem for problem in problems), problems
 
 
 def test_float8_experts_need_hopper_or_emulate() -> None:
     job = ["--job.config_file", DEBUG_TOML, "--model.name", "qwen3", "--model.flavor", "debugmodel_moe",
            "--model.converters", "float8"]
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)):
-        with pytest.raises(ConfigError, match="run natively only on NVIDIA GPUs with compute capability 9.0.*Add "
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        with pytest.raises(ConfigError, match="run natively only on NVIDIA Hopper GPUs.*Add "
                                               "--float8.emulate.*--float8.moe_fqns_prototype with no value"):
             load_job_config(job, world_size=1)
     load_job_config([*job, "--float8.emulate"], world_size=1)

@@ -37,7 +37,7 @@ from titan.models.families import FAMILIES
 from titan.quant.convert import apply_nvfp4
 from titan.quant.formats import E2M1_VALUES
 from titan.quant.nvfp4 import linear as titan_nvfp4_linear
-from titan.quant.nvfp4.linear import WGRAD_RHT_SIGNS, NVFP4Linear
+from titan.quant.nvfp4.linear import WGRAD_RHT_SIGNS, NVFP4Linear, NVFP4Matmul
 from titan.quant.nvfp4.numerics import (
     NVFP4,
     dequantize,
@@ -315,10 +315,10 @@ def test_linear_matches_torchao_recipe(emulate: bool, dtype: torch.dtype,
 
 def test_tokens_pad_to_whole_blocks(torchao_on_cpu: list[tuple[tuple[int, ...], bool]],
                                     titan_rounds_to_nearest: list[tuple[int, ...]]) -> None:
-    """Titan takes any number of tokens (here 2 x 20, whose grad_weight contracts 40 tokens in blocks of 16);
-    torchao's recipe only multiples of 128. Titan's results are those of torchao's on the tokens padded with zeros
-    to 128. To a bf16 ulp (2**-8 relative) in grad_weight: the padded tokens add zero products to its fp32 sums,
-    which may then sum in another order."""
+    """Titan takes any number of tokens (here 2 x 20, whose grad_weight contracts 40 tokens, padded to 64, a whole
+    number of 16-byte FP4 rows); torchao's recipe only multiples of 128. Titan's results are those of torchao's on
+    the tokens padded with zeros to 128. To a bf16 ulp (2**-8 relative) in grad_weight: the padded tokens add zero
+    products to its fp32 sums, which may then sum in another order."""
     x, weight, grad = linear_operands(torch.bfloat16)
     tokens = 40
     x[tokens:], grad[tokens:] = 0, 0
@@ -331,6 +331,19 @@ def test_tokens_pad_to_whole_blocks(torchao_on_cpu: list[tuple[tuple[int, ...], 
     torch.testing.assert_close(got["output"].flatten(0, 1), want["output"][:tokens], rtol=0, atol=0)
     torch.testing.assert_close(got["grad_input"].flatten(0, 1), want["grad_input"][:tokens], rtol=0, atol=0)
     torch.testing.assert_close(got["grad_weight"], want["grad_weight"], rtol=2 ** -8, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [48, 40, 33])
+def test_native_matmuls_pass_torchs_shape_rule_for_any_number_of_tokens(tokens: int) -> None:
+    """The native forward and backward on meta tensors, which run torch's own shape rule for scaled_mm (the one its
+    CUDA kernel checks): packed FP4 operands two elements a byte must be whole 16-byte rows along the contraction.
+    grad_weight contracts the tokens: 48 (16 mod 32) padded to whole blocks of 16 were 24-byte rows, which the rule
+    (and a GPU) refused; they are padded to 64 now."""
+    x = torch.empty(tokens, IN_FEATURES, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    weight = torch.empty(OUT_FEATURES, IN_FEATURES, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    out = NVFP4Matmul.apply(x, weight, SIGNS, False)
+    out.backward(torch.empty_like(out))
+    assert out.shape == (tokens, OUT_FEATURES) and weight.grad.shape == weight.shape and x.grad.shape == x.shape
 
 
 def test_gradients_round_stochastically_and_repeat_under_a_seed() -> None:
@@ -351,8 +364,8 @@ def test_gradients_round_stochastically_and_repeat_under_a_seed() -> None:
 
 
 def test_shapes_must_be_whole_blocks() -> None:
-    with pytest.raises(ValueError, match="in_features and out_features divisible by 16"):
-        NVFP4Linear(40, 64, bias=False, emulate=True)
+    with pytest.raises(ValueError, match="in_features and out_features divisible by 32"):
+        NVFP4Linear(48, 64, bias=False, emulate=True)
     with pytest.raises(ValueError, match="rht_signs"):
         NVFP4Linear(64, 64, bias=False, emulate=True, rht_signs=(1, -1))
 

@@ -20,7 +20,7 @@ import pytest
 from titan.checkpoint.storage import MARKER
 from titan.metrics.goodput import CATEGORIES, measure_goodput, read_events
 
-from harness.fsdp2_job import STEPS, launch_job
+from harness.fsdp2_job import STEPS, launch_job, launch_two_nodes
 from harness.s3_server import S3Server
 from harness.train_script import losses_by_step, metric_records
 
@@ -168,3 +168,32 @@ def test_goodput_tiles_the_wall_time_across_attempts_and_launches() -> None:
     assert goodput.startup_s == pytest.approx(2.0 + 4.5 + 1.5)
     assert goodput.productive_s == pytest.approx(1.0 + 0.5 + 1.0 + 1.0 + 1.0)
     assert sum(getattr(goodput, key) for key in CATEGORIES) == pytest.approx(goodput.wall_s)
+
+
+def test_a_killed_rank_on_one_of_two_nodes_restarts_both_and_the_job_matches_an_uninterrupted_run(
+        tmp_path: Path, straight_losses: dict[int, float]) -> None:
+    """Two nodes of one rank each (two launchers on localhost, a c10d rendezvous), rank 1 SIGKILLed at the end of
+    step 7. Its node's agent restarts its ranks and counts the restart; the other node's agent restarts its rank
+    through torch's membership-change path, which counts nothing. What keeps the healthy node's rank alive until its
+    agent takes that path: its collective fails at once ("Connection reset by peer"), and it then waits up to 10 s
+    for a stop notice from the killed rank (titan/exits.py PEER_STOP_WAIT) before exiting, while its agent sees the
+    failed node's rejoin within a monitor interval. Every rank must then join under the same attempt (before, each
+    node numbered it by its own agent's restart count: attempt 1 and attempt 0 never formed a process group, and
+    the job stalled), the fault must not strike again on either node, and both must end with the straight run's
+    losses."""
+    results = launch_two_nodes(tmp_path, "--fault.kind", "kill", "--fault.rank", "1", "--fault.step", "7")
+    output = "".join(result.stdout + result.stderr for result in results)
+    assert [result.returncode for result in results] == [0, 0], output[-6000:]
+    # One restart, which both nodes name: before, the healthy node's rank rejoined under the old attempt and either
+    # stalled the job or crashed into a second restart that only the spare budget of its own agent absorbed.
+    assert "Restart 1 of 1 (--max-restarts): rank 1 was killed by SIGKILL, after step 7." in output, output[-6000:]
+    assert ("Restarting with the other nodes: rank 1 was killed by SIGKILL, after step 7 on another node."
+            in output), output[-6000:]
+    assert "(crashed)" not in output and "Restart 2" not in output, output[-6000:]
+    assert steps_trained(tmp_path) == [*range(1, 8), *range(6, STEPS + 1)]
+    # The node of rank 0, failed or not, records the failure in the goodput log, once.
+    failures = [event for event in read_events(tmp_path) if event["event"] == "failure"]
+    assert [(event["rank"], event["code"]) for event in failures] == [(1, 137)], failures
+    # Both ranks log (LOG_RANK 0,1), each arming the fault on the first attempt only.
+    assert output.count("This run will fail on purpose") == 2, output[-6000:]
+    assert losses_by_step(tmp_path) == straight_losses

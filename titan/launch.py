@@ -26,11 +26,12 @@ import os
 import signal
 import sys
 import time
-from argparse import Namespace
+from argparse import ArgumentParser, Namespace
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
+import torch.distributed as dist
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -52,7 +53,15 @@ from titan.exits import (
     STOP_SIGNALS,
     run_main,
 )
-from titan.metrics.goodput import LAUNCH_TIME_ENV, EventLog, measure_goodput, process_start_time, read_events, summary
+from titan.metrics.goodput import (
+    ATTEMPT_ENV,
+    LAUNCH_TIME_ENV,
+    EventLog,
+    measure_goodput,
+    process_start_time,
+    read_events,
+    summary,
+)
 from titan.metrics.log import init_logger, logger, logging_ranks
 
 HELP_FLAGS = ("-h", "--help")
@@ -133,6 +142,8 @@ class RestartPolicy:
         self.budget_spent = False
         self.hosts_rank_0 = False
         self.last_failure = ""
+        self.failure_notice = ""
+        """What this node's agent tells the others of its ranks' last failure (FAILURE_KEY): JSON."""
 
     def restarts_left(self, failures: dict[int, ProcessFailure], remaining: int, group_rank: int) -> int:
         """The agent's restarts left after this failed attempt: none for a failure that is not retried."""
@@ -140,12 +151,11 @@ class RestartPolicy:
         code = exit_code(failure.exitcode)
         self.hosts_rank_0 = group_rank == 0
         if self.hosts_rank_0:
-            events = EventLog(self.dump_folder, enabled=True)
-            events.write("failure", rank=rank, code=code)
-            events.close()
+            self.record_failure(rank, code)
         step = last_finished_step(read_events(self.dump_folder))
         self.last_failure = (f"rank {rank} {describe_exit(failure)}, "
                              + (f"after step {step}" if step is not None else "before finishing a step"))
+        self.failure_notice = json.dumps({"node": group_rank, "rank": rank, "code": code, "text": self.last_failure})
         self.restarting = False
         if self.max_restarts == 0:
             return 0
@@ -160,6 +170,27 @@ class RestartPolicy:
                        f"{self.last_failure}. Every rank restarts and resumes from the newest complete checkpoint.")
         self.restarting = True
         return remaining
+
+    def failed_elsewhere(self, round_store: dist.Store, group_rank: int) -> bool:
+        """Whether another node's ranks failed in this attempt (the node of group rank `group_rank`, this one, has
+        healthy ranks), which this node restarts with: torch's agent takes its membership-change path, told of the
+        failed node's rejoin. It says so, and on the node of rank 0, which keeps the goodput log, records it."""
+        if not round_store.check([FAILURE_KEY]):
+            return False
+        notice = json.loads(round_store.get(FAILURE_KEY))
+        if notice["node"] == group_rank:
+            return False
+        if group_rank == 0:
+            self.record_failure(notice["rank"], notice["code"])
+        logger.warning(f"Restarting with the other nodes: {notice['text']} on another node. Every rank restarts and "
+                       f"resumes from the newest complete checkpoint.")
+        return True
+
+    def record_failure(self, rank: int, code: int) -> None:
+        """Append the failure to the job's goodput log (the node of group rank 0 does, once per failure)."""
+        events = EventLog(self.dump_folder, enabled=True)
+        events.write("failure", rank=rank, code=code)
+        events.close()
 
 
 def stat_fields(stat: Path) -> list[str] | None:
@@ -190,13 +221,39 @@ def kill_stopped_ranks_after_an_exit(pids: dict[int, int]) -> None:
                 os.kill(pids[local_rank], signal.SIGKILL)
 
 
+ATTEMPTS_KEY = "titan/attempts"
+"""Key, in the rendezvous store that every round shares, counting the job's attempts so far."""
+ATTEMPT_KEY = "titan/attempt"
+"""Key, in one rendezvous round's store, holding that round's attempt number."""
+FAILURE_KEY = "titan/failure"
+"""Key, in one rendezvous round's store, holding what ended that round's attempt (the failing node writes it)."""
+
+
+def agree_on_attempt(round_store: dist.Store, group_rank: int) -> int:
+    """The number of the attempt this rendezvous round starts, the same on every node: the node of group rank 0
+    counts rounds in the store every round shares and tells the others through the round's own store. Each node's
+    torchrun agent counts restarts of its own (TORCHELASTIC_RESTART_COUNT): only the node whose ranks failed counts
+    one, the others restart through the membership-change path, which counts none. A round that a node joining an
+    elastic job (--nnodes 3:4) starts, with no failure, is a new attempt too: every rank starts again in it."""
+    if group_rank == 0:
+        attempt = round_store.underlying_store.add(ATTEMPTS_KEY, 1) - 1
+        round_store.set(ATTEMPT_KEY, str(attempt))
+        return attempt
+    return int(round_store.get(ATTEMPT_KEY))
+
+
 def restarting_agent(policy: RestartPolicy) -> type[LocalElasticAgent]:
     """torchrun's agent, restarting only the failures `policy` retries."""
 
     class RestartingAgent(LocalElasticAgent):
-        """Stops a failed attempt's surviving ranks with SIGKILL when restarting: their state is thrown away, and a
-        rank stuck in a collective or stopped (SIGSTOP) would otherwise hold the restart for torchrun's 30 s shutdown
-        timeout."""
+        """Numbers each attempt as every node does (agree_on_attempt), for its ranks (ATTEMPT_ENV). Stops a failed
+        attempt's surviving ranks with SIGKILL when restarting, also on a node whose own ranks are healthy but
+        another node's failed: their state is thrown away, and a rank stuck in a collective or stopped (SIGSTOP)
+        would otherwise hold the restart for torchrun's 30 s shutdown timeout."""
+
+        def _rendezvous(self, worker_group: WorkerGroup) -> None:
+            super()._rendezvous(worker_group)
+            os.environ[ATTEMPT_ENV] = str(agree_on_attempt(worker_group.store, worker_group.group_rank))
 
         def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
             if self._pcontext is not None:
@@ -206,10 +263,11 @@ def restarting_agent(policy: RestartPolicy) -> type[LocalElasticAgent]:
                 # torch's own agent turns restarts off the same way (a rank stuck in uninterruptible sleep).
                 self._remaining_restarts = policy.restarts_left(result.failures, self._remaining_restarts,
                                                                 worker_group.group_rank)
+                worker_group.store.set(FAILURE_KEY, policy.failure_notice)
             return result
 
         def _stop_workers(self, worker_group: WorkerGroup, *args: object, **kwargs: object) -> None:
-            if policy.restarting:
+            if policy.restarting or policy.failed_elsewhere(worker_group.store, worker_group.group_rank):
                 policy.restarting = False
                 self._shutdown(signal.SIGKILL)
             else:
@@ -243,15 +301,40 @@ def record_goodput_after_failure(dump_folder: Path) -> None:
         file.write(json.dumps(record) + "\n")
 
 
-def check_max_restarts(args: Namespace) -> None:
-    if args.max_restarts < 0:
-        raise ConfigError(f"--max-restarts {args.max_restarts} (MAX_RESTARTS for run_train.sh) must be 0 or more: how "
-                          f"many times a failed job restarts from its newest checkpoint. Try MAX_RESTARTS=3.")
+def read_max_restarts_as_text(parser: ArgumentParser) -> None:
+    """Have torchrun's parser keep --max-restarts as written, for read_max_restarts to read: as an int, a mistake
+    would end in torchrun's usage text, which never names MAX_RESTARTS, the variable run_train.sh users set."""
+    for action in parser._actions:  # argparse has no public way to look an option up
+        if "--max-restarts" in action.option_strings:
+            action.type = str
 
 
-def child_pids() -> list[int]:
-    """The processes this one started, the ranks, from /proc (Linux, where schedulers send stop signals)."""
-    me = os.getpid()
+def check_restarts_across_nodes(args: Namespace, nodes: int) -> None:
+    """In-job restarts of several nodes need a rendezvous in which every node's agent learns of another's failure
+    and agrees on the next attempt (c10d's rounds); torchrun's static one has no rounds: a node restarts alone."""
+    if args.max_restarts > 0 and nodes > 1 and args.rdzv_backend == "static":
+        raise ConfigError(f"--max-restarts {args.max_restarts} across --nnodes {args.nnodes} needs --rdzv_backend c10d "
+                          f"(with --rdzv_endpoint HEAD:PORT and --rdzv_id JOB_ID on every node): torchrun's static "
+                          f"rendezvous restarts each node on its own, and the nodes never meet again.")
+
+
+def read_max_restarts(text: str) -> int:
+    """--max-restarts as written (read_max_restarts_as_text) as the count torchrun takes: 0 or more."""
+    try:
+        restarts = int(text)
+    except ValueError:
+        restarts = -1
+    if restarts < 0:
+        raise ConfigError(f"MAX_RESTARTS={text} (--max-restarts for python -m titan.launch) must be a whole number, 0 "
+                          f"or more: how many times a failed job restarts from its newest checkpoint. Try "
+                          f"MAX_RESTARTS=3.")
+    return restarts
+
+
+def child_pids(parent: int | None = None) -> list[int]:
+    """The processes `parent` (default: this one) started, its ranks, from /proc (Linux, where schedulers send stop
+    signals)."""
+    me = os.getpid() if parent is None else parent
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         fields = stat_fields(stat)
@@ -289,6 +372,7 @@ def launch(argv: list[str]) -> int:
     init_logger()
     parser = get_args_parser()
     parser.prog = "python -m titan.launch"
+    read_max_restarts_as_text(parser)
     if any(arg in HELP_FLAGS for arg in argv) and not any(arg.endswith(".py") for arg in argv):
         parser.print_help()
         print("\nTitan's fields (give them after train.py):\n")
@@ -296,7 +380,8 @@ def launch(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     nodes, per_node = nodes_and_processes(args)
     world_size = nodes * per_node
-    check_max_restarts(args)
+    args.max_restarts = read_max_restarts(args.max_restarts)
+    check_restarts_across_nodes(args, nodes)
     check_log_ranks(world_size)
     cfg = load_job_config(args.training_script_args, world_size)
     if cfg.job.print_config:

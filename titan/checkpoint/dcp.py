@@ -419,6 +419,11 @@ class Checkpointer:
         run_steps = build_step_folders(path, export_staging=self.dump_folder / "checkpoint_staging")
         if complete := run_steps.complete_steps():
             path = run_steps.location(complete[-1])
+        elif unfinished := run_steps.incomplete():
+            raise CheckpointError([f"--checkpoint.initial_load_path {path} is a run's checkpoint folder without a "
+                                   f"complete step: it holds only {', '.join(Path(f).name for f in unfinished)}, a "
+                                   f"save (or deletion) that did not finish, whose files may be missing. Point it at a "
+                                   f"complete step of another run, or let that run save one first."])
         if self.cfg.initial_load_model_only:
             self.load_folder(path, exclude=set(CHECKPOINT_PARTS) - {MODEL_KEY}, fix=INITIAL_LOAD_FIX)
             return self.start_state()

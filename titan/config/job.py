@@ -351,7 +351,9 @@ class Parallelism:
     since offload is FSDP's."""
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """Free gathered parameters after forward: always (least memory), never (no re-gather in backward, more
-    memory), default (every block but the last, whose backward comes right after forward)."""
+    memory), default (every block but the last, whose backward comes right after forward; under pipeline and expert
+    parallel, a mixture of experts' experts, an FSDP unit of their own, stay gathered between micro-batches, as the
+    schedule keeps them after backward)."""
     disable_loss_parallel: bool = False
     """With tensor parallel, gather the vocab-sharded logits before the loss instead of computing the loss
     on the shards (more memory and traffic; for debugging)."""

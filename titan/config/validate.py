@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from titan.config.activation_checkpoint import keeps_attention, records_ops
 from titan.config.degrees import data_parallel_degree, resolved_shard_degree
 from titan.config.domain import field_ranges, parse_duration
 from titan.config.errors import ConfigError
@@ -45,12 +46,19 @@ AnyRule = TypeVar("AnyRule", Rule, HardwareRule)
 
 # Model converters this build provides.
 AVAILABLE_CONVERTERS: tuple[str, ...] = ("float8", "mx", "nvfp4")
-# Float8 matmuls need SM89+ (Ada, Hopper, Blackwell).
+# The GPUs whose kernels torch 2.11, 2.12 and 2.13 ship for each low-precision matmul (the same in all three, read
+# from their CUDA builds: the device checks and the architectures each kernel is compiled for; torch's own test suite
+# gates these tests alike, torch/testing/_internal/common_cuda.py).
 FLOAT8_MIN_CAPABILITY = (8, 9)
-# Block-scaled (MX) matmuls need SM100+ (Blackwell).
+"""torch._scaled_mm in float8 (the linears, tensorwise and rowwise): 8.9 and newer (Ada, Hopper, Blackwell)."""
 MX_MIN_CAPABILITY = (10, 0)
-# torch._scaled_grouped_mm's float8 kernels (the experts' grouped matmuls) need SM90+ (Hopper, Blackwell).
-FLOAT8_GROUPED_MIN_CAPABILITY = (9, 0)
+"""torch._scaled_mm with block scales (MX and NVFP4 linears, cuBLAS's block-scaled GEMMs): Blackwell, 10.0 and newer."""
+FLOAT8_GROUPED_MAJORS = (9,)
+"""torch._scaled_grouped_mm in float8 (the experts): its rowwise kernel is built for Hopper alone. The op's own check
+also lets 10.x through, which then has no kernel for it (PLATFORM_SUPPORTS_FP8_GROUPED_GEMM: SM90 and not SM100)."""
+MX_GROUPED_MAJORS = (10,)
+"""torch._scaled_grouped_mm with MXFP8 block scales (the experts): its kernel is built for 10.0 and 10.3 (B200,
+GB200, B300) alone; Blackwell's other parts (12.x) fail the op's check and Hopper passes it with no kernel."""
 
 
 def check_domains(cfg: JobConfig) -> tuple[list[str], set[str]]:
@@ -248,26 +256,75 @@ def check_mixture_paths(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
-def chat_flags(cfg: JobConfig) -> list[str]:
-    """The flags that name chat data, as the user gave them."""
+def dataset_flags(cfg: JobConfig, dataset: str) -> list[str]:
+    """The flags that name data of kind `dataset` (chat, prepared, ...), as the user gave them: a mixture's entries
+    or --training.dataset, and --validation.dataset where validation runs."""
     flags = []
     if cfg.training.mixture:
         for text in cfg.training.mixture:
             try:
-                if parse_mixture_entry(text).dataset == "chat":
+                if parse_mixture_entry(text).dataset == dataset:
                     flags.append(f"--training.mixture entry {text!r}")
             except ValueError:
                 continue  # check_mixture reports it
-    elif cfg.training.dataset == "chat":
-        flags.append("--training.dataset chat")
-    if cfg.validation.enable and cfg.validation.dataset == "chat":
-        flags.append("--validation.dataset chat")
+    elif cfg.training.dataset == dataset:
+        flags.append(f"--training.dataset {dataset}")
+    if cfg.validation.enable and cfg.validation.dataset == dataset:
+        flags.append(f"--validation.dataset {dataset}")
     return flags
+
+
+def data_sources(cfg: JobConfig) -> str:
+    """What the run reads, for messages: "--training.dataset shipped", or the mixture."""
+    if cfg.training.mixture:
+        return f"--training.mixture {' '.join(cfg.training.mixture)}"
+    return f"--training.dataset {cfg.training.dataset}"
+
+
+def check_ignored_dataset_paths(cfg: JobConfig, world_size: int) -> list[str]:
+    """A path beside --training.dataset (or --validation.dataset) shipped reads nothing: the run would train on the
+    shipped corpus while the user means their files. (Beside a mixture, check_mixture says so.)"""
+    problems = []
+    for section, settings, read in (("training", cfg.training, not cfg.training.mixture),
+                                    ("validation", cfg.validation, cfg.validation.enable)):
+        if not read or settings.dataset != "shipped" or settings.dataset_path is None:
+            continue
+        kind = "chat" if fields_set(cfg.chat) else "jsonl, text, chat, hf or prepared"
+        problems.append(f"--{section}.dataset_path {settings.dataset_path!r} is given, but --{section}.dataset shipped "
+                        f"reads the shipped corpus and ignores it. Add --{section}.dataset {kind} (what the path "
+                        f"holds), or unset the path (--{section}.dataset_path None, where a TOML sets it).")
+    return problems
+
+
+def fields_set(section: object) -> dict[str, object]:
+    """The fields of a config section (cfg.chat, cfg.training, ...) set away from their defaults, by name."""
+    defaults = type(section)()
+    return {item.name: getattr(section, item.name) for item in dataclasses.fields(section)
+            if getattr(section, item.name) != getattr(defaults, item.name)}
+
+
+def check_chat_fields_apply(cfg: JobConfig, world_size: int) -> list[str]:
+    """[chat] fields change how conversations are rendered (template_path, messages_field) and which of their tokens
+    train (train_on, which also reads the roles of a prepared store of conversations): set in a run that reads no
+    conversations, they are ignored."""
+    given = fields_set(cfg.chat)
+    if not given or dataset_flags(cfg, "chat"):
+        return []
+    problems = []
+    for name, value in given.items():
+        if name == "train_on" and dataset_flags(cfg, "prepared"):
+            continue  # a prepared store may hold conversations, which train_on then selects tokens of
+        stores = " or --training.dataset prepared with a store of them" if name == "train_on" else ""
+        problems.append(f"--chat.{name} {value!r} only applies to conversations (--training.dataset chat, a chat: "
+                        f"entry of --training.mixture or --validation.dataset chat{stores}), and this run reads none: "
+                        f"it trains on {data_sources(cfg)}. Add --training.dataset chat with --training.dataset_path, "
+                        f"or drop --chat.{name}.")
+    return problems
 
 
 def check_chat_attention(cfg: JobConfig, world_size: int) -> str | None:
     """Conversations are packed several to a sequence: only block-causal attention keeps them apart."""
-    flags = chat_flags(cfg)
+    flags = dataset_flags(cfg, "chat")
     if not flags or cfg.model.attn_mask_type == "block_causal":
         return None
     return (f"{' and '.join(flags)} packs conversations into sequences, which needs --model.attn_mask_type "
@@ -278,7 +335,7 @@ def check_chat_attention(cfg: JobConfig, world_size: int) -> str | None:
 @about_this_machine
 def check_chat_template_path(cfg: JobConfig, world_size: int) -> str | None:
     path = cfg.chat.template_path
-    if not path or not chat_flags(cfg) or resolve_path(path).is_file():
+    if not path or not dataset_flags(cfg, "chat") or resolve_path(path).is_file():
         return None
     return (f"--chat.template_path {path!r} is not a file. Point it at a Jinja chat template or a "
             f"tokenizer_config.json, or leave it empty for the tokenizer's.")
@@ -581,7 +638,7 @@ def check_mixture_of_experts(cfg: JobConfig, world_size: int) -> list[str]:
         if ep > 1:
             problems.append(f"--parallelism.expert_parallel_degree {ep} needs a mixture-of-experts flavor, and "
                             f"--model.name {model.name} --model.flavor {model.flavor} has no experts. Use 1, or "
-                            f"{mixture_of_experts_flavors()}.")
+                            f"{flavors_with(has_experts)}.")
         if cfg.moe.aux_loss_weight > 0:
             problems.append(f"--moe.aux_loss_weight {cfg.moe.aux_loss_weight} only applies to mixture-of-experts "
                             f"flavors, and --model.flavor {model.flavor} has no experts. Set it to 0.")
@@ -619,8 +676,14 @@ def check_multi_token_prediction(cfg: JobConfig, world_size: int) -> list[str]:
     """Multi-token prediction reads the tokens up to mtp_depth places ahead of each position, and runs the embedding
     and the output layer again after the last block."""
     args, par = flavor_args(cfg), cfg.parallelism
-    if args is None or args.mtp_depth == 0:
+    if args is None:
         return []
+    if args.mtp_depth == 0:
+        if "mtp_loss_weight" not in fields_set(cfg.training):
+            return []
+        return [f"--training.mtp_loss_weight {cfg.training.mtp_loss_weight} only applies to flavors with multi-token "
+                f"prediction modules, and --model.name {cfg.model.name} --model.flavor {cfg.model.flavor} has none. "
+                f"Drop it, or use {flavors_with(has_multi_token_prediction)}."]
     problems = []
     if par.pipeline_parallel_degree > 1:
         problems.append(f"--model.flavor {cfg.model.flavor} has multi-token prediction modules, which run the "
@@ -688,21 +751,28 @@ def check_float8_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | Non
             f"matmuls.")
 
 
+def converts_experts(cfg: JobConfig, converter: str, moe_fqns: list[str]) -> bool:
+    """Whether `converter` (float8 or mx, natively) takes experts: a mixture-of-experts flavor and experts named."""
+    return (converter in cfg.model.converters and not getattr(cfg, converter).emulate and bool(moe_fqns)
+            and has_experts(flavor_args(cfg)))
+
+
 def check_float8_experts_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
-    """Float8 experts multiply with torch._scaled_grouped_mm, which has CUDA kernels from Hopper on and none for the
-    CPU (the dense float8 linears' torch._scaled_mm has both)."""
+    """Float8 experts multiply with torch._scaled_grouped_mm, whose float8 kernel runs on Hopper alone, and which has
+    none for the CPU (the dense float8 linears' torch._scaled_mm runs from Ada on, and on the CPU)."""
     f8 = cfg.float8
-    if "float8" not in cfg.model.converters or f8.emulate or not f8.moe_fqns_prototype:
+    if not converts_experts(cfg, "float8", f8.moe_fqns_prototype):
         return None
-    if getattr(flavor_args(cfg), "moe", None) is None:
+    if accelerator.is_cuda and accelerator.capability[0] in FLOAT8_GROUPED_MAJORS:
         return None
-    if accelerator.is_cuda and accelerator.capability >= FLOAT8_GROUPED_MIN_CAPABILITY:
-        return None
+    blackwell = (" On this Blackwell GPU, convert the experts with --model.converters mx (MXFP8 grouped matmuls) "
+                 "instead." if accelerator.is_cuda and accelerator.capability[0] in MX_GROUPED_MAJORS else "")
     return (f"--model.converters float8 converts the experts of --model.flavor {cfg.model.flavor} (--float8."
-            f"moe_fqns_prototype {' '.join(f8.moe_fqns_prototype)}) to float8 grouped matmuls, which run natively only "
-            f"on NVIDIA GPUs with compute capability 9.0 or newer (Hopper, Blackwell); {accelerator.describe()}. Add "
-            f"--float8.emulate to run the same quantization with high-precision matmuls, or pass "
-            f"--float8.moe_fqns_prototype with no value to keep the experts in high precision.")
+            f"moe_fqns_prototype {' '.join(f8.moe_fqns_prototype)}) to float8 grouped matmuls, which torch 2.11 to "
+            f"2.13 run natively only on NVIDIA Hopper GPUs (compute capability 9.x: H100, H200); "
+            f"{accelerator.describe()}.{blackwell} Add --float8.emulate to run the same quantization with "
+            f"high-precision matmuls, or pass --float8.moe_fqns_prototype with no value to keep the experts in high "
+            f"precision.")
 
 
 @needs_in_range("training.local_batch_size", "training.seq_len", "parallelism.pipeline_parallel_degree",
@@ -730,6 +800,27 @@ def check_float8_tokens(cfg: JobConfig, accelerator: Accelerator) -> str | None:
     return (f"{batch_flag} {batch} x --training.seq_len {t.seq_len}{per_rank} = {tokens} tokens reach each float8 "
             f"weight-gradient matmul, which contracts over them, and CUDA's float8 matmuls need a multiple of 16. Try "
             f"--training.seq_len {max(step, t.seq_len // step * step)}, or --float8.emulate.")
+
+
+def check_resharded_experts_under_recording_checkpoints(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    """Under pipeline parallel the schedule keeps FSDP units gathered after each micro-batch's backward but the last:
+    experts resharded after every forward (always) are then gathered in a later micro-batch's recompute and not in
+    its forward, inside a block that selective checkpointing records op by op, which torch 2.13 refuses at the first
+    backward (titan/parallel/fsdp.py reshard_experts_after_forward)."""
+    par, ac = cfg.parallelism, cfg.activation_checkpoint
+    if par.fsdp_reshard_after_forward != "always" or par.pipeline_parallel_degree == 1:
+        return None
+    if par.expert_parallel_degree == 1 or not has_experts(flavor_args(cfg)):
+        return None
+    keep_attention = keeps_attention(ac.save_attention, cfg.compile.enable, accelerator.is_cuda)
+    if not records_ops(ac.mode, ac.selective_ac_option, keep_attention):
+        return None
+    return (f"--parallelism.fsdp_reshard_after_forward always reshards the experts (an FSDP unit inside each block "
+            f"under --parallelism.expert_parallel_degree {par.expert_parallel_degree}) after every forward, which "
+            f"--parallelism.pipeline_parallel_degree {par.pipeline_parallel_degree} makes a later micro-batch's "
+            f"recompute gather again, and --activation_checkpoint.mode {ac.mode} records each block's ops to replay "
+            f"them (torch 2.13 refuses the extra gather). Use --parallelism.fsdp_reshard_after_forward default, or "
+            f"--activation_checkpoint.no_save_attention (full AC, or selective with a block count).")
 
 
 def check_flex_attention_device(cfg: JobConfig, accelerator: Accelerator) -> str | None:
@@ -777,9 +868,19 @@ def check_nvfp4_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None
 
 
 def check_mx_hardware(cfg: JobConfig, accelerator: Accelerator) -> str | None:
+    """MX linears run on every Blackwell GPU; MX experts (torch._scaled_grouped_mm) on data-center Blackwell alone."""
     if "mx" not in cfg.model.converters or cfg.mx.emulate:
         return None
-    return blackwell_problem("mx", "MX", accelerator)
+    problem = blackwell_problem("mx", "MX", accelerator)
+    if problem is not None or not converts_experts(cfg, "mx", cfg.mx.moe_fqns_prototype):
+        return problem
+    if accelerator.capability[0] in MX_GROUPED_MAJORS:
+        return None
+    return (f"--model.converters mx converts the experts of --model.flavor {cfg.model.flavor} (--mx.moe_fqns_prototype "
+            f"{' '.join(cfg.mx.moe_fqns_prototype)}) to MXFP8 grouped matmuls, which torch 2.11 to 2.13 run natively "
+            f"only on GPUs of compute capability 10.x (B200, GB200, B300); {accelerator.describe()}. Add --mx.emulate "
+            f"to run the same quantization with high-precision matmuls, or pass --mx.moe_fqns_prototype with no value "
+            f"to keep the experts in high precision (the linears still convert).")
 
 
 def check_checkpoint(cfg: JobConfig, world_size: int) -> list[str]:
@@ -843,6 +944,10 @@ def check_fault(cfg: JobConfig, world_size: int) -> list[str]:
     if fault.step == 0 and fault.after_seconds == 0:
         problems.append(f"--fault.kind {fault.kind} needs a time to strike: --fault.step (the end of that step) or "
                         f"--fault.after_seconds (after the first step). Try --fault.step 5.")
+    if fault.step > cfg.training.steps:
+        problems.append(f"--fault.step {fault.step} is after the run's last step (--training.steps "
+                        f"{cfg.training.steps}), so the fault would never strike. Try --fault.step "
+                        f"{max(1, cfg.training.steps // 2)}.")
     if fault.rank >= world_size:
         problems.append(f"--fault.rank {fault.rank} is not a rank of this job (ranks 0 to {world_size - 1}). Try "
                         f"--fault.rank {world_size - 1}.")
@@ -857,16 +962,42 @@ def check_fault(cfg: JobConfig, world_size: int) -> list[str]:
     return problems
 
 
-def mixture_of_experts_flavors() -> str:
-    """The registered flavors with experts, for messages: "--model.name qwen3 with --model.flavor debugmodel_moe,
-    30B-A3B or 235B-A22B"."""
+def has_experts(args: object) -> bool:
+    """Whether a flavor's args hold a mixture of experts."""
+    return getattr(args, "moe", None) is not None
+
+
+def has_multi_token_prediction(args: object) -> bool:
+    return args.mtp_depth > 0
+
+
+def flavors_with(trait: Callable[[object], bool]) -> str:
+    """The registered flavors whose args have `trait`, for messages: "--model.name qwen3 --model.flavor
+    debugmodel_moe, 30B-A3B or 235B-A22B; or --model.name deepseek_v3 ..."."""
     choices = []
     for name, family in FAMILIES.items():
-        flavors = [flavor for flavor, args in family.flavors.items() if getattr(args, "moe", None) is not None]
+        flavors = [flavor for flavor, args in family.flavors.items() if trait(args)]
         if flavors:
             listed = flavors[0] if len(flavors) == 1 else f"{', '.join(flavors[:-1])} or {flavors[-1]}"
-            choices.append(f"--model.name {name} with --model.flavor {listed}")
+            choices.append(f"--model.name {name} --model.flavor {listed}")
     return "; or ".join(choices)
+
+
+def check_hugging_face_class(cfg: JobConfig, world_size: int) -> str | None:
+    """An export (or import) of a flavor that no transformers class holds would fail at the last save, after all of
+    the training, having replaced the last checkpoint (or at the start, for the import): refused now instead."""
+    ckpt, args = cfg.checkpoint, flavor_args(cfg)
+    flags = [flag for flag, on in (("--checkpoint.last_save_in_hf", ckpt.last_save_in_hf),
+                                   ("--checkpoint.initial_load_in_hf", ckpt.initial_load_in_hf)) if on]
+    if not flags or args is None:
+        return None
+    try:
+        FAMILIES[cfg.model.name].hf_mapping(args)
+    except ValueError as error:
+        return (f"{' and '.join(flags)} {'needs' if len(flags) == 1 else 'need'} a Hugging Face class for "
+                f"--model.name {cfg.model.name} --model.flavor {cfg.model.flavor}, and there is none: {error} Or drop "
+                f"{' and '.join(flags)}.")
+    return None
 
 
 def largest_divisor_at_most(limit: int, *sizes: int) -> int:
@@ -882,12 +1013,12 @@ RULES: tuple[Rule, ...] = (
     check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather, check_checkpoint,
     check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths, check_validation_dataset_path,
     check_validation_pipeline, check_validation_seq_len, check_fault, check_chat_attention, check_chat_template_path,
-    check_initial_load_path,
+    check_initial_load_path, check_ignored_dataset_paths, check_chat_fields_apply, check_hugging_face_class,
 )
 HARDWARE_RULES: tuple[HardwareRule, ...] = (
     check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,
     check_float8_tokens, check_float8_experts_hardware, check_mx_hardware, check_nvfp4_hardware,
-    check_flex_attention_device, check_pinned_memory_checkpoint,
+    check_flex_attention_device, check_pinned_memory_checkpoint, check_resharded_experts_under_recording_checkpoints,
 )
 
 

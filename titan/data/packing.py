@@ -64,6 +64,17 @@ class ConversationWindows(SourceWindows):
             keep[conversation] = kept_targets > 0
             num_targets -= int(trains[start + 1 : end].sum()) - kept_targets
         self.kept = np.flatnonzero(keep)
+        if len(self.kept) == 0:
+            # The first target that trains, in the conversation that reaches one soonest: a window must hold it.
+            first_trained = min((int(trained[0]) + 1 for c in truncated
+                                 if len(trained := np.flatnonzero(trains[documents[c] + 1 : documents[c + 1]]))),
+                                default=self.seq_len)
+            raise ConfigError(f"{self.origin}: every conversation is longer than {self.seq_len_flag} {self.seq_len} "
+                              f"+ 1 tokens and has nothing to train on in its first window under --chat.train_on "
+                              f"{self.train_on}, so all {len(lengths):,} would be dropped and the run would train on "
+                              f"padding. Raise {self.seq_len_flag}: the soonest trained token of any conversation is "
+                              f"its token {first_trained}, so try {self.seq_len_flag} "
+                              f"{-(-first_trained // 64) * 64} or more.")
         bounds = [0]
         fill = 0
         for position, length in enumerate(np.minimum(lengths[self.kept], self.window_len).tolist()):
@@ -74,10 +85,6 @@ class ConversationWindows(SourceWindows):
         bounds.append(len(self.kept))
         self.bounds = np.asarray(bounds, dtype=np.int64)
         num_windows = len(bounds) - 1
-        if num_windows == 0:
-            raise ConfigError(f"{self.origin}: every conversation is longer than {self.seq_len_flag} {self.seq_len} "
-                              f"+ 1 tokens and has nothing to train on in its first window under --chat.train_on "
-                              f"{self.train_on}. Raise {self.seq_len_flag}.")
         logger.info(f"Data: {self.origin} packs {len(self.kept):,} conversation(s) into {num_windows:,} window(s) of "
                     f"{self.seq_len_flag} {self.seq_len} + 1 tokens: {len(truncated):,} truncated to one window, "
                     f"{len(lengths) - len(self.kept):,} dropped for length (nothing left to train on under "

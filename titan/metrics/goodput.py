@@ -28,6 +28,8 @@ EVENTS_FILE = Path("goodput") / "events.jsonl"
 """Under --job.dump_folder."""
 LAUNCH_TIME_ENV = "TITAN_LAUNCH_TIME"
 """Unix time at which titan.launch started, which it hands its ranks: a launch's wall time starts there."""
+ATTEMPT_ENV = "TITAN_ATTEMPT"
+"""The attempt of its launch that titan.launch starts its ranks for, numbered alike on every node."""
 CATEGORIES = ("productive_s", "lost_s", "checkpoint_s", "evaluation_s", "startup_s", "restart_s")
 
 
@@ -48,8 +50,10 @@ def launch_time() -> float:
 
 
 def attempt_number() -> int:
-    """Which attempt of its launch this process belongs to: torchrun's restart count."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """Which attempt of its launch this process belongs to (0 for the first), the same number on every node:
+    titan.launch's (ATTEMPT_ENV). Under plain torchrun, its agent's restart count, which one node alone counts right
+    (a restart of several nodes is refused there: titan/parallel/dims.py attempt_store)."""
+    return int(os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class EventLog:

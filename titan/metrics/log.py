@@ -7,6 +7,7 @@ every rank prints warnings and errors, prefixed with its rank so a single-rank p
 import logging
 import os
 import sys
+from typing import TextIO
 
 from titan.config.errors import ConfigError
 
@@ -42,12 +43,29 @@ class _RankFilter(logging.Filter):
         return record.levelno >= logging.WARNING or self.rank in self.info_ranks
 
 
+class StdoutHandler(logging.StreamHandler):
+    """A StreamHandler that writes to sys.stdout as it is when each record is emitted, not as it was when the handler
+    was made: a process that replaces sys.stdout later (a test's capture, which is closed after the test) keeps its
+    log, and no record goes to a closed stream."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stdout)
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        """StreamHandler sets its stream on creation; it is always sys.stdout."""
+
+
 def init_logger() -> None:
     """Send `titan` records to stdout once per process, filtered by rank. Safe to call twice."""
     if logger.handlers:
         return
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    handler = logging.StreamHandler(sys.stdout)
+    handler = StdoutHandler()
     handler.addFilter(_RankFilter(current_rank(), world_size, logging_ranks()))
     handler.setFormatter(logging.Formatter("%(asctime)s %(rank_prefix)s%(levelname)s %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)

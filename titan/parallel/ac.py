@@ -6,9 +6,10 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
+from titan.config.activation_checkpoint import checkpoint_every, saves_by_op
 from titan.metrics.log import logger
 
 # Ops whose outputs selective AC keeps: expensive to recompute relative to the memory they hold.
@@ -40,6 +41,13 @@ SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._grouped_mm.default}
 
 
+def model_fqn(name: str) -> str:
+    """A parameter's or buffer's name in the model as built, as its state dict spells it: without the
+    `_checkpoint_wrapped_module.` that activation checkpointing's wrapper puts into every name under a block
+    (compile and FSDP2 wrap in place, adding nothing)."""
+    return name.replace(_CHECKPOINT_PREFIX, "")
+
+
 def selective_policy(save_matmuls: bool = True) -> Callable[..., CheckpointPolicy]:
     """The selective-checkpoint policy of one checkpointed block: save SAVE_ALWAYS outputs and, with save_matmuls,
     every second matmul, recomputing the rest."""
@@ -66,25 +74,6 @@ def op_sac_context(save_matmuls: bool = True) -> tuple:
     recompute. Without save_matmuls, a block keeps only its attention (and TP reduce-scatter) outputs: full AC
     that skips recomputing the costliest op."""
     return create_selective_checkpoint_contexts(selective_policy(save_matmuls))
-
-
-def keeps_attention(save_attention: bool, compiled: bool, on_gpu: bool) -> bool:
-    """Whether checkpointed blocks keep their attention outputs (--activation_checkpoint.save_attention) on this run.
-    Not in eager mode on a GPU: there the selective-checkpoint dispatch mode that keeps them runs Python for every
-    op of the block, in forward and in recompute, which cost more than recomputing attention saves (0.69x and 0.81x
-    of the step's speed measured on an H100, docs/performance.md). Compiled, the policy is traced into the graph
-    and costs nothing at run time; on a CPU the step is compute-bound and keeping attention pays (1.08x)."""
-    return save_attention and (compiled or not on_gpu)
-
-
-def checkpoint_every(option: str) -> int | None:
-    """k for `selective_ac_option` "k" (checkpoint every k-th block), None for "op"."""
-    return None if option == "op" else int(option)
-
-
-def saves_by_op(mode: str, selective_option: str) -> bool:
-    """Selective "op" AC: every block saves by op, attention always (save_attention does not apply)."""
-    return mode == "selective" and checkpoint_every(selective_option) is None
 
 
 def apply_ac(model: nn.Module, mode: str, selective_option: str, save_attention: bool) -> None:

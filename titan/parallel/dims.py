@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan.config.degrees import resolved_shard_degree
+from titan.config.errors import ConfigError
 from titan.config.job import Comm, Parallelism
-from titan.metrics.goodput import attempt_number
+from titan.metrics.goodput import ATTEMPT_ENV, attempt_number
 from titan.metrics.log import logger
 
 # Mesh dimension names, outermost first: pipeline stages talk least and may span nodes; TP talks every layer and
@@ -93,9 +94,11 @@ def resolve_dims(par: Parallelism, world_size: int, cpu_offload: bool) -> Parall
 
 def attempt_store() -> dict[str, Any]:
     """init_process_group's store for a restarted attempt under torchrun (--max-restarts): the agent's store, which
-    outlives the attempts, under a prefix of this attempt. Without it, gloo's connection to its peers reads the
-    addresses the previous attempt's ranks left in the store and retries them until it fails ("Connection refused").
-    The first attempt, and a store that is not the agent's (rank 0 then hosts a new one), use env:// unchanged."""
+    outlives the attempts, under a prefix of this attempt, which every node numbers alike (titan.launch). Without it,
+    gloo's connection to its peers reads the addresses the previous attempt's ranks left in the store and retries
+    them until it fails ("Connection refused"). The first attempt, and a store that is not the agent's (rank 0 then
+    hosts a new one), use env:// unchanged."""
+    check_launcher_numbers_attempts()
     attempt = attempt_number()
     if attempt == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
@@ -104,6 +107,18 @@ def attempt_store() -> dict[str, Any]:
                                 is_master=False)
     return {"store": dist.PrefixStore(f"titan/attempt_{attempt}", agent_store), "rank": int(os.environ["RANK"]),
             "world_size": world_size}
+
+
+def check_launcher_numbers_attempts() -> None:
+    """Plain torchrun numbers a restarted attempt by each node's own restart count, which only a failed node's agent
+    increments: after a failure the nodes would join different attempts and never form a process group."""
+    if ATTEMPT_ENV in os.environ:
+        return
+    nodes, max_restarts = (int(os.environ.get(name, "0")) for name in ("GROUP_WORLD_SIZE", "TORCHELASTIC_MAX_RESTARTS"))
+    if nodes > 1 and max_restarts > 0:
+        raise ConfigError(f"In-job restarts across nodes (torchrun --max-restarts {max_restarts} on {nodes} nodes) "
+                          f"need Titan's launcher, which numbers each attempt alike on every node: run python -m "
+                          f"titan.launch with the same flags instead of torchrun.")
 
 
 def init_distributed(comm: Comm, device: torch.device, dims: ParallelDims, dump_folder: Path,

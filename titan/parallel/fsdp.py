@@ -18,6 +18,17 @@ def reshard_block_after_forward(policy: str, layer_index: int, num_layers: int) 
     return layer_index < num_layers - 1
 
 
+def reshard_experts_after_forward(policy: str, pipelined: bool) -> bool:
+    """"default" keeps a pipeline stage's experts gathered between micro-batches. The schedule keeps every FSDP unit
+    gathered after each micro-batch's backward but the last (set_reshard_after_backward), so resharding the experts
+    after a forward only makes the next micro-batch gather them again; and where their unit sits inside a block that
+    selective checkpointing records (titan/parallel/ac.py), that micro-batch's recompute would then gather them where
+    its forward did not, which torch 2.13 refuses ("... encountered during backward but not found in storage")."""
+    if policy == "always":
+        return True
+    return policy == "default" and not pipelined
+
+
 def offload_policy(mesh: DeviceMesh, cpu_offload: bool) -> OffloadPolicy:
     """FSDP's shards in host memory with `cpu_offload` (pinned where the mesh is on CUDA, for asynchronous copies)."""
     return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
@@ -45,19 +56,21 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
 
 
 def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, experts: str, param_dtype: torch.dtype,
-                      reduce_dtype: torch.dtype, cpu_offload: bool = False) -> None:
+                      reduce_dtype: torch.dtype, reshard_after_forward: bool = True, cpu_offload: bool = False) -> None:
     """Shard every block's expert-parallel experts (at FQN `experts` within the block, a family's plan names it)
     over `mesh` (the data-parallel ranks that hold the same
     experts: the block's FSDP can't, since their weights are already DTensors over ranks of its own mesh), each
     layer's experts one FSDP unit inside its block's. Their gradients are averaged over `mesh` like any FSDP
-    gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py). `cpu_offload` keeps them in host
-    memory with the rest of the model's shards, so that every gradient, and its norm, is on one device."""
+    gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py). `reshard_after_forward`:
+    reshard_experts_after_forward's. `cpu_offload` keeps them in host memory with the rest of the model's shards, so
+    that every gradient, and its norm, is on one device."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     units = list(block_experts(model, experts).values())
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload))
-    logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers"
-                + (", in host memory" if cpu_offload else ""))
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload),
+                    reshard_after_forward=reshard_after_forward)
+    logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers "
+                f"(reshard after forward: {reshard_after_forward})" + (", in host memory" if cpu_offload else ""))
 
 
 def apply_to_empty(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:

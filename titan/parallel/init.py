@@ -6,6 +6,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titan.parallel.ac import model_fqn
+
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of `model` is a DTensor (TP or FSDP applied)."""
@@ -37,15 +39,20 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 def apply_full_init(model: nn.Module, full: nn.Module) -> None:
     """Fill `model`, the whole model or a pipeline stage of it, just materialised with to_empty, from `full` (an
-    unsharded, already initialised copy): each rank keeps its own shard of every parameter, and buffers of the same
-    name (the rotary table) are copied whole. No random op runs on the sharded parameters, which DTensor on CPU
-    would warn about."""
+    unsharded, already initialised copy): each rank keeps its own shard of every parameter, and every buffer is
+    copied whole from the one of the same model FQN. That covers the buffers no state dict carries (the rotary table,
+    a mixture of experts' token counts), which would otherwise keep whatever memory to_empty() gave them. No random
+    op runs on the sharded parameters, which DTensor on CPU would warn about."""
     load_full_state_dict(model, full.state_dict())
-    own_buffers = dict(model.named_buffers())
+    reference = dict(full.named_buffers())
+    # The rank's names carry the wrappers of the stages applied since the build (activation checkpointing's).
+    missing = [name for name, _ in model.named_buffers() if model_fqn(name) not in reference]
+    if missing:
+        raise RuntimeError(f"Buffers {missing} have no counterpart in the unsharded model, so they would keep "
+                           f"uninitialised memory: a stage renamed them in a way model_fqn does not undo.")
     with torch.no_grad():
-        for name, buffer in full.named_buffers():
-            if name in own_buffers:
-                own_buffers[name].copy_(buffer)
+        for name, buffer in model.named_buffers():
+            buffer.copy_(reference[model_fqn(name)])
 
 
 def full_copy_fits(num_params: int, device: torch.device) -> bool:

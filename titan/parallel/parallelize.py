@@ -3,16 +3,17 @@ parallel_plan.py) saying which modules each stage splits."""
 
 from torch import nn
 
+from titan.config.activation_checkpoint import saves_by_op
 from titan.config.dtypes import to_dtype
 from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
 from titan.models.common.parallel_plan import ParallelPlan
-from titan.parallel.ac import apply_ac, saves_by_op
+from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
 from titan.parallel.cp import apply_cp
 from titan.parallel.dims import Meshes, ParallelDims
 from titan.parallel.ep import apply_ep, has_experts
-from titan.parallel.fsdp import apply_expert_fsdp, apply_fsdp
+from titan.parallel.fsdp import apply_expert_fsdp, apply_fsdp, reshard_experts_after_forward
 from titan.parallel.tp import apply_tp
 
 
@@ -24,8 +25,8 @@ def parallelize_model(model: nn.Module, plan: ParallelPlan, dims: ParallelDims, 
     any wrapper sees them; context parallel swaps each block's attention kernel before AC wraps the block; compile
     traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block, and shards
     the experts over their own mesh before it wraps the blocks. `keep_attention`: whether checkpointed blocks keep
-    attention outputs on these ranks (titan/parallel/ac.py keeps_attention). `block_causal`: attention stays within
-    documents (context parallel must know before the first batch)."""
+    attention outputs on these ranks (titan/config/activation_checkpoint.py keeps_attention). `block_causal`:
+    attention stays within documents (context parallel must know before the first batch)."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, plan, loss_parallel=not par.disable_loss_parallel,
                  async_tp=par.enable_async_tensor_parallel)
@@ -55,7 +56,10 @@ def parallelize_model(model: nn.Module, plan: ParallelPlan, dims: ParallelDims, 
         param_dtype, reduce_dtype = to_dtype(train.mixed_precision_param), to_dtype(train.mixed_precision_reduce)
         if dims.ep_enabled:
             apply_expert_fsdp(model, meshes.expert_fsdp, plan.experts, param_dtype=param_dtype,
-                              reduce_dtype=reduce_dtype, cpu_offload=train.enable_cpu_offload)
+                              reduce_dtype=reduce_dtype,
+                              reshard_after_forward=reshard_experts_after_forward(par.fsdp_reshard_after_forward,
+                                                                                  dims.pp_enabled),
+                              cpu_offload=train.enable_cpu_offload)
         apply_fsdp(model, meshes.fsdp, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=par.fsdp_reshard_after_forward, cpu_offload=train.enable_cpu_offload)
     else:

@@ -16,7 +16,7 @@ from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionS
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.quant.float8.grouped import FLOAT8_GROUP_ALIGNMENT, Float8ExpertSwiGLU
 from titan.quant.float8.linear import Float8Linear
-from titan.quant.formats import MX_BLOCK_SIZE, NVFP4_BLOCK_SIZE
+from titan.quant.formats import MX_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
 from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertSwiGLU
 from titan.quant.mx.linear import MXLinear
 from titan.quant.nvfp4.linear import NVFP4Linear
@@ -107,9 +107,10 @@ def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[
     if any(fqn.startswith(prefix) for prefix in kept_blocks):
         return (f"skipped: one of the last {len(kept_blocks)} blocks (--nvfp4.high_precision_last_blocks_fraction "
                 f"{cfg.high_precision_last_blocks_fraction})")
-    # Both dims are some matmul's contraction dim, in blocks of 16, and the weight is quantized in 16 x 16 tiles.
-    if out_features % NVFP4_BLOCK_SIZE or in_features % NVFP4_BLOCK_SIZE:
-        return f"skipped: {out_features}x{in_features} not divisible by the NVFP4 block size {NVFP4_BLOCK_SIZE}"
+    # Both dims are some matmul's contraction dim, whose packed FP4 rows block-scaled GEMMs read in 16-byte units.
+    if out_features % NVFP4_CONTRACTION_MULTIPLE or in_features % NVFP4_CONTRACTION_MULTIPLE:
+        return (f"skipped: {out_features}x{in_features} not divisible by {NVFP4_CONTRACTION_MULTIPLE}, the NVFP4 "
+                f"matmuls' contraction multiple")
     return None
 
 
@@ -216,20 +217,32 @@ def apply_nvfp4(model: nn.Module, cfg: NVFP4) -> list[LayerDecision]:
 def check_disjoint_converters(model: nn.Module, float8: Float8, mx: MX, tp_degree: int) -> None:
     """Raise a ConfigError naming the linears and experts that float8 and mx would both convert: a layer takes one
     recipe."""
-    both = [fqn for fqn, module in model.named_modules() if type(module) is nn.Linear
-            and float8_skip_reason(fqn, module, float8) is None and mx_skip_reason(fqn, module, mx, tp_degree) is None]
-    both += [f"{fqn}.experts" for fqn, moe in moe_layers(model).items()
-             if expert_skip_reason(f"{fqn}.experts", moe.experts, float8.moe_fqns_prototype, "",
-                                   FLOAT8_GROUP_ALIGNMENT) is None
-             and expert_skip_reason(f"{fqn}.experts", moe.experts, mx.moe_fqns_prototype, "",
-                                    MX_GROUP_ALIGNMENT) is None]
-    if both:
-        shown = ", ".join(both[:4]) + (f" and {len(both) - 4} more" if len(both) > 4 else "")
-        raise ConfigError([f"--model.converters float8 and mx would both convert {len(both)} linear layers ({shown}). "
-                           f"Each layer takes one recipe: add FQN substrings to --float8.filter_fqns or "
-                           f"--mx.filter_fqns so that they split the layers, e.g. --float8.filter_fqns output "
-                           f"feed_forward --mx.filter_fqns output attention, and give the experts to one of them "
-                           f"(--float8.moe_fqns_prototype or --mx.moe_fqns_prototype with no value for the other)."])
+    linears = [fqn for fqn, module in model.named_modules() if type(module) is nn.Linear
+               and float8_skip_reason(fqn, module, float8) is None
+               and mx_skip_reason(fqn, module, mx, tp_degree) is None]
+    experts = [f"{fqn}.experts" for fqn, moe in moe_layers(model).items()
+               if expert_skip_reason(f"{fqn}.experts", moe.experts, float8.moe_fqns_prototype, "",
+                                     FLOAT8_GROUP_ALIGNMENT) is None
+               and expert_skip_reason(f"{fqn}.experts", moe.experts, mx.moe_fqns_prototype, "",
+                                      MX_GROUP_ALIGNMENT) is None]
+    problems = []
+    if linears:
+        problems.append(f"--model.converters float8 and mx would both convert {len(linears)} linear layers "
+                        f"({listed(linears)}). Each layer takes one recipe: add FQN substrings to --float8.filter_fqns "
+                        f"or --mx.filter_fqns so that they split the layers, e.g. --float8.filter_fqns output "
+                        f"feed_forward --mx.filter_fqns output attention.")
+    if experts:
+        problems.append(f"--model.converters float8 and mx would both convert the experts of {len(experts)} MoE "
+                        f"layers ({listed(experts)}). Each takes one recipe: split them between "
+                        f"--float8.moe_fqns_prototype and --mx.moe_fqns_prototype (e.g. --float8.moe_fqns_prototype "
+                        f"layers.0. --mx.moe_fqns_prototype layers.1.), or give one of them no value.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def listed(fqns: list[str]) -> str:
+    """The first four FQNs, and how many more."""
+    return ", ".join(fqns[:4]) + (f" and {len(fqns) - 4} more" if len(fqns) > 4 else "")
 
 
 def merge_decisions(decisions: list[LayerDecision]) -> list[LayerDecision]:

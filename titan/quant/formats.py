@@ -27,6 +27,10 @@ E8M0_NAN = 0xFF
 NVFP4_BLOCK_SIZE = 16
 """Elements per E4M3 block scale in NVFP4, along the matmul's contraction dim; also the side of the 16x16 weight
 tiles and the length of the random Hadamard transform of torchao's (and NVIDIA's) NVFP4 training recipe."""
+NVFP4_CONTRACTION_MULTIPLE = 32
+"""What an NVFP4 matmul's contraction dim must be a multiple of: two FP4 elements a byte, and the block-scaled GEMMs
+read each operand row in 16-byte units (torch's shape rule for scaled_mm asks the packed sizes to be multiples of 16,
+in torch 2.11 to 2.13, as torchao's tests ask K to be of 32)."""
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """The magnitudes of FP4 E2M1 (NVFP4's element), indexed by the 3 low bits of its code; bit 3 is the sign."""
 E2M1_MAX = E2M1_VALUES[-1]

@@ -7,7 +7,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan.models.common.moe import moe_layers
+from titan.models.common.moe import MoEArgs, moe_layers
 from titan.train.readback import Readback
 
 NO_EXPERT_METRICS = {"moe_imbalance": None, "tokens_per_expert": None}
@@ -26,11 +26,16 @@ class ExpertBalancer:
     every pipeline stage's counts, stay as `last_counts` for the metrics. The counts restart at zero for the next
     step."""
 
-    def __init__(self, model: nn.Module, num_blocks: int, coeff: float, count_mesh: DeviceMesh | None) -> None:
-        """`num_blocks`: the whole model's blocks. `count_mesh`: the ranks whose counts add up, every pipeline
-        stage's and every data- and context-parallel rank's (Meshes.loss); None on one process."""
+    def __init__(self, model: nn.Module, num_blocks: int, num_experts: int, coeff: float,
+                 count_mesh: DeviceMesh | None, device: torch.device) -> None:
+        """`num_blocks`, `num_experts`: the whole model's blocks and each MoE layer's experts. `count_mesh`: the ranks
+        whose counts add up, every pipeline stage's and every data- and context-parallel rank's (Meshes.loss); None on
+        one process. A pipeline rank whose stages hold only dense blocks has no layers of its own, but joins the
+        all-reduce all the same: its peers run it over every rank of the mesh."""
         self.layers = dict(sorted(moe_layers_by_block(model).items()))
         self.num_blocks = num_blocks
+        self.num_experts = num_experts
+        self.device = device
         self.coeff = coeff
         self.mesh = count_mesh
         self.last_counts: Readback | None = None
@@ -53,8 +58,8 @@ class ExpertBalancer:
             if bias is None:
                 continue
             counts = table[index, :-1]
-            # Experts under the mean load go up, those over it down; sign() makes the step independent of how
-            # many tokens were counted (activation checkpointing counts recomputed blocks twice).
+            # Experts under the mean load go up, those over it down, by the same step however many tokens there
+            # were (DeepSeek-V3's sign update).
             step = self.coeff * torch.sign(counts.mean() - counts)
             bias.add_(step if skip is None else step * (~skip).to(step.dtype))
 
@@ -63,7 +68,7 @@ class ExpertBalancer:
         the blocks other stages hold. Stacked, not indexed into, so no index tensor travels from the host."""
         rows = {index: torch.cat([layer.tokens_per_expert, torch.ones_like(layer.tokens_per_expert[:1])])
                 for index, layer in self.layers.items()}
-        absent = torch.zeros_like(next(iter(rows.values())))
+        absent = torch.zeros(self.num_experts + 1, device=self.device)
         return torch.stack([rows.get(index, absent) for index in range(self.num_blocks)])
 
     def load_metrics(self) -> dict[str, object]:
@@ -80,7 +85,11 @@ class ExpertBalancer:
         return {"moe_imbalance": imbalance, "tokens_per_expert": per_layer}
 
 
-def build_expert_balancer(model: nn.Module, coeff: float, count_mesh: DeviceMesh | None) -> ExpertBalancer | None:
+def build_expert_balancer(model: nn.Module, moe: MoEArgs | None, coeff: float, count_mesh: DeviceMesh | None,
+                          device: torch.device) -> ExpertBalancer | None:
     """A balancer over the MoE layers of `model` (this rank's share, whose `args` give the whole model's blocks),
-    or None for a model without experts. `count_mesh`: see ExpertBalancer."""
-    return ExpertBalancer(model, model.args.n_layers, coeff, count_mesh) if moe_layers(model) else None
+    or None when the whole model has no experts (`moe`, the whole model's MoEArgs: None for a dense flavor), on
+    every rank alike. `count_mesh`: see ExpertBalancer."""
+    if moe is None:
+        return None
+    return ExpertBalancer(model, model.args.n_layers, moe.num_experts, coeff, count_mesh, device)

@@ -4,12 +4,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from titan.config.job import Optimizer
 from titan.config.multipliers import parse_lr_multiplier
 from titan.metrics.log import logger
+from titan.parallel.ac import model_fqn
 from titan.train.bf16_state import BF16StateAdam
 
 
@@ -50,10 +50,8 @@ def parameter_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
             continue
         kind = "embeddings" if id(param) in embeddings else "norms and biases" if param.ndim < 2 else "matrices"
         weight_decay = cfg.weight_decay if decays[kind] else 0.0
-        # Matched against the model's own FQN, which validation checks the substrings against: without the prefix
-        # that activation checkpointing's wrapper adds to every name under a block.
-        model_fqn = fqn.replace(_CHECKPOINT_PREFIX, "")
-        multiplier = next((factor for substring, factor in multipliers if substring in model_fqn), 1.0)
+        # Matched against the model's own FQN, which validation checks the substrings against.
+        multiplier = next((factor for substring, factor in multipliers if substring in model_fqn(fqn)), 1.0)
         grouped.setdefault((weight_decay, multiplier), []).append((kind, fqn, param))
     groups = []
     for (weight_decay, multiplier), members in grouped.items():

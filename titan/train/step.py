@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from titan.config.activation_checkpoint import keeps_attention
 from titan.config.degrees import accumulation_steps
 from titan.config.dtypes import to_dtype
 from titan.config.errors import ConfigError
@@ -29,7 +30,6 @@ from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_params
 from titan.models.common.loss import mask_cross_document_targets, num_valid_targets
 from titan.models.families import FAMILIES
-from titan.parallel.ac import keeps_attention
 from titan.parallel.cp import shard_batch
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.fsdp import apply_to_empty
@@ -323,8 +323,9 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
     return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
                         block_causal=block_causal, optimizer=optimizer, lr_scheduler=lr_scheduler,
                         grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
-                        balancer=build_expert_balancer(model_parts.model, cfg.moe.load_balance_coeff,
-                                                       meshes.loss if meshes is not None else None))
+                        balancer=build_expert_balancer(model_parts.model, getattr(args, "moe", None),
+                                                       cfg.moe.load_balance_coeff,
+                                                       meshes.loss if meshes is not None else None, device))
 
 
 def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:

@@ -219,7 +219,8 @@ class AddAuxiliaryLoss(torch.autograd.Function):
 class MoE(nn.Module):
     """The sparse feed-forward: route, sort the tokens by expert, run the experts, and add each token's expert
     outputs back weighted by the router, and the shared experts' output where there are some. Keeps
-    `tokens_per_expert`, the routed tokens each expert got since the balancer last read it, for the metrics and the
+    `tokens_per_expert`, the routed tokens each expert got in the training forwards since the balancer last read it
+    (each routed copy once, also where activation checkpointing recomputes the block), for the metrics and the
     bias."""
 
     def __init__(self, dim: int, moe: MoEArgs) -> None:
@@ -239,10 +240,9 @@ class MoE(nn.Module):
         flat_experts = experts.flatten()  # (bs * seq * top_k,): token t's choices at t * top_k ...
         ones = torch.ones_like(flat_experts, dtype=probs.dtype)
         counts = torch.zeros_like(probs[0]).scatter_add_(0, flat_experts, ones)  # (num_experts,) routed copies
-        if self.training and torch.is_grad_enabled():
-            # Forwards without gradients are no training tokens (a pipeline stage's shape inference runs one).
-            # Activation checkpointing counts a recomputed block twice; shares of tokens, which is what the metrics
-            # and the bias read, stay the same.
+        # Forwards without gradients are no training tokens (a pipeline stage's shape inference runs one), and a
+        # recompute routes the same tokens again.
+        if self.training and torch.is_grad_enabled() and not recomputing():
             self.tokens_per_expert.add_(counts.detach())
         order = flat_experts.argsort(stable=True)  # the routed copies grouped by expert
         source = order // self.top_k  # (bs * seq * top_k,): the token each sorted copy came from
@@ -254,6 +254,13 @@ class MoE(nn.Module):
         if self.training and self.aux_loss_weight > 0:
             out = AddAuxiliaryLoss.apply(out, self.aux_loss_weight * load_balancing_loss(probs, counts))
         return out.view(bs, seq, dim)
+
+
+def recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: activation checkpointing's recompute of a block, eager, which
+    would count the block's routed tokens a second time. A compiled block's recompute is part of its backward graph,
+    which never replays the forward's buffer updates (and dynamo cannot trace the check)."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:

@@ -20,14 +20,19 @@ from titan.models.common.norms import RMSNorm
 
 
 def future_labels(labels: Tensor, document_ids: Tensor | None, ahead: int) -> Tensor:
-    """The labels `ahead` places further on (bs, seq): position i's target becomes labels[i + ahead], IGNORE_INDEX
-    past the sequence's end and, with document ids (block-causal attention), where that token is in another
-    document than position i."""
+    """The labels `ahead` places further on (bs, seq): position i's target becomes labels[i + ahead], the token
+    i + ahead + 1, IGNORE_INDEX past the sequence's end and, with document ids of the inputs (block-causal
+    attention), where that token is in another document than position i. The one target past the window's last
+    input, labels[seq - 1], is compared through that input's document: whether the token after it starts another
+    is what the labels say (they mask a document's last target), as they do for the next-token loss."""
     shifted = F.pad(labels[:, ahead:], (0, ahead), value=IGNORE_INDEX)  # (bs, seq)
     if document_ids is None:
         return shifted
-    same_document = F.pad((document_ids[:, ahead:] == document_ids[:, :-ahead]).int(), (0, ahead)).bool()
-    return shifted.masked_fill(~same_document, IGNORE_INDEX)
+    bs, seq = document_ids.shape
+    # (bs, seq): the document of each position's target, the window's last input's for those at or past its end
+    target_documents = torch.cat([document_ids[:, ahead + 1:], document_ids[:, -1:].expand(bs, min(ahead + 1, seq))],
+                                 dim=1)
+    return shifted.masked_fill(target_documents != document_ids, IGNORE_INDEX)
 
 
 class MTPModule(nn.Module):

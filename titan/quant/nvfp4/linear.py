@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from titan.quant.formats import E4M3, NVFP4_BLOCK_SIZE
+from titan.quant.formats import E4M3, NVFP4_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.nvfp4.numerics import NVFP4, dequantize, quantize, quantize_2d, rotate
 from titan.quant.quantized_linear import QuantizedLinear
@@ -46,9 +46,9 @@ def rounding_noise(x: Tensor) -> Tensor:
 
 def quantize_tokens_rotated(x: Tensor, signs: tuple[int, ...], stochastic: bool) -> NVFP4:
     """x (tokens, features) as an operand of grad_weight: x^T (features, tokens) in blocks along the tokens, each run
-    of 16 tokens rotated first. Tokens are zero-padded to whole blocks; both operands pad alike and the rotation is
-    orthogonal, so the padding adds nothing to the product."""
-    x_t = F.pad(x.t(), (0, -x.shape[0] % NVFP4_BLOCK_SIZE))  # (features, padded tokens)
+    of 16 tokens rotated first. Tokens are zero-padded to a multiple of NVFP4_CONTRACTION_MULTIPLE, which grad_weight
+    contracts; both operands pad alike and the rotation is orthogonal, so the padding adds nothing to the product."""
+    x_t = F.pad(x.t(), (0, -x.shape[0] % NVFP4_CONTRACTION_MULTIPLE))  # (features, padded tokens)
     rotated = rotate(x_t, signs)
     return quantize(rotated, rounding_noise(rotated) if stochastic else None)
 
@@ -106,10 +106,10 @@ class NVFP4Linear(QuantizedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool, emulate: bool,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  rht_signs: tuple[int, ...] = WGRAD_RHT_SIGNS) -> None:
-        if in_features % NVFP4_BLOCK_SIZE or out_features % NVFP4_BLOCK_SIZE:
-            raise ValueError(f"NVFP4Linear needs in_features and out_features divisible by {NVFP4_BLOCK_SIZE}, the "
-                             f"NVFP4 block and weight tile (got {out_features}x{in_features}); keep this layer in "
-                             f"high precision.")
+        if in_features % NVFP4_CONTRACTION_MULTIPLE or out_features % NVFP4_CONTRACTION_MULTIPLE:
+            raise ValueError(f"NVFP4Linear needs in_features and out_features divisible by "
+                             f"{NVFP4_CONTRACTION_MULTIPLE}, since each is some matmul's contraction dim (got "
+                             f"{out_features}x{in_features}); keep this layer in high precision.")
         if len(rht_signs) != NVFP4_BLOCK_SIZE or any(sign not in (-1, 1) for sign in rht_signs):
             raise ValueError(f"NVFP4Linear's rht_signs must be {NVFP4_BLOCK_SIZE} values of 1 or -1 (got "
                              f"{rht_signs}); the default is Transformer Engine's.")
