@@ -100,10 +100,9 @@ from torch.distributed.pipelining import schedules
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import titan.models.common.attention as attention_module  # noqa: E402
 from bench_common import peak_tensor_bytes  # noqa: E402
 from bench_data import per_rank_table  # noqa: E402
-from tests.reference.rope_ref import complex_rope  # noqa: E402
+from levers import LEVERS as EAGER_STEP_LEVERS  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.config.paths import is_url  # noqa: E402
@@ -549,17 +548,6 @@ def truncated_tokenizer(vocab_size: int) -> Path:
     return path
 
 
-def main_rope(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-    """RoPE as main computed it before the real tables: Meta's complex product (the cache's (cos, sin) pairs
-    viewed as complex64), for rows shared by every sample or each sample's own (block-causal positions)."""
-    if rope_cache.dim() == 3:
-        return complex_rope(x, torch.view_as_complex(rope_cache))
-    bs, seq, heads, head_dim = x.shape
-    pairs = torch.view_as_complex(x.float().reshape(bs, seq, heads, head_dim // 2, 2))  # (bs, seq, heads, hd // 2)
-    rotation = torch.view_as_complex(rope_cache.contiguous()).unsqueeze(2)  # (bs, seq, 1, head_dim // 2)
-    return torch.view_as_real(pairs * rotation).flatten(3).type_as(x)
-
-
 def main_gqa_sdpa(sdpa: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """SDPA as main fed it before enable_gqa: keys and values expanded to every query head (a copy)."""
 
@@ -583,7 +571,10 @@ class Lever:
 
 
 LEVERS = [
-    Lever("real RoPE", off_patches=lambda: [patch.object(attention_module, "apply_rotary_emb", main_rope)]),
+    # Issue 51's, off as scripts/levers.py restores what they replaced (FlexAttention's saved region is CUDA's).
+    Lever("complex RoPE", off_patches=lambda: [EAGER_STEP_LEVERS["complex_rope"].off()]),
+    Lever("fused norm", off_patches=lambda: [EAGER_STEP_LEVERS["fused_norm"].off()]),
+    Lever("fused SwiGLU", off_patches=lambda: [EAGER_STEP_LEVERS["fused_swiglu"].off()]),
     Lever("GQA without copies", off_patches=lambda: [
         patch.object(F, "scaled_dot_product_attention", main_gqa_sdpa(F.scaled_dot_product_attention))]),
     Lever("fused AdamW", off_flags=["--optimizer.implementation", "foreach"]),
@@ -629,7 +620,7 @@ class Contender:
     def measure_peak(self) -> None:
         """Peak tensor bytes of one more step. Not for compiled rows: MemTracker counts tensors in a dispatch mode,
         which compiled blocks cannot run under (fullgraph=True fails)."""
-        if self.trainer.cfg.training.compile:
+        if self.trainer.cfg.compile.enable:
             return
         with self.patched():
             training = self.trainer.training

@@ -1,15 +1,19 @@
 """One command that proves a GPU (issue 33): run it first whenever a GPU machine is lent.
 
-    python3 scripts/gpu_check.py                        # every check: 4.7 minutes on one H100 (2026-11-27)
+    python3 scripts/gpu_check.py                        # the proof: 4.9 minutes on one H100 (2026-11-27)
+    python3 scripts/gpu_check.py --perf                 # the 1B job against torchtitan, eager and compiled
+    python3 scripts/gpu_check.py --levers               # the 1B job with each of scripts/levers.py's changes off
     python3 scripts/gpu_check.py --only flex fsdp       # some checks, by key (--help lists them)
     python3 scripts/gpu_check.py --apply-section FILE   # paste a device run's gpu_check.md into docs/performance.md
 
 It runs on one CUDA GPU what CPU CI cannot: the tests that skip without CUDA, FlexAttention's compiled kernels,
 torch._grouped_mm, the bf16-state optimizer's compiled update, FSDP and CPU offload over one rank with a skipped NaN
 step, the trainer against a bare loop on the jobs of docs/performance.md, the 1B model's MFU, and torchtitan 0.3.0
-on the same 1B job. It prints one line per check with its seconds, writes one table (device, torch, date, one row
-per check, failures marked) between the gpu_check markers of docs/performance.md and into <log dir>/gpu_check.md,
-keeps every command's output in <log dir>/gpu_check.log, and exits 1 when any check failed.
+on the same 1B job (--proof, the default); --perf and --levers are issue 51's throughput rows, each a call of its
+own within a lent machine's minutes (SELECTIONS). It prints one line per check with its seconds, writes one table
+(device, torch, date, one row per check, failures marked) between the selection's gpu_check markers of
+docs/performance.md and into <log dir>/gpu_check.md, keeps every command's output in <log dir>/gpu_check.log, and
+exits 1 when any check failed.
 
 The lent machine has no network: scripts/gpu_wheels.sh downloads, here, the wheels it lacks into .whl/. A session
 then runs DEVICE_COMMAND (below, and in docs/performance.md), one line, with the device tool's `run` and carry
@@ -47,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from levers import LEVERS  # noqa: E402
 from titan.data.dataset import SHIPPED_CORPUS  # noqa: E402
 from titan.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer  # noqa: E402
@@ -64,7 +69,16 @@ DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile -
                   "PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --log-dir $OUT")
 """The device tool's `run` command (carry [".whl"]): install the carried wheels, then every check; $OUT comes back."""
 DOC = ROOT / "docs" / "performance.md"
-BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+
+
+def markers(selection: str = "proof") -> tuple[str, str]:
+    """The begin and end markers of a selection's table in docs/performance.md: each selection (SELECTIONS) keeps its
+    own, so that a --perf run does not replace the proof's table."""
+    name = "gpu_check" if selection == "proof" else f"gpu_check {selection}"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers()
 SECTION_FILE, LOG_FILE = "gpu_check.md", "gpu_check.log"
 
 CUDA_ONLY_TESTS = [
@@ -72,6 +86,7 @@ CUDA_ONLY_TESTS = [
     "tests/test_cp.py::test_torch_path_on_cuda_matches_full",  # every rotate method
     "tests/test_float8_casts.py::test_triton_kernels_match_torch_path_cuda",
     "tests/test_mx_numerics.py::test_triton_quantize_matches_torch_path_cuda",
+    "tests/test_swiglu.py::test_triton_kernels_match_float64_cuda",
     # Runs on GPUs before Blackwell (the H100 and H200), where it checks that native MX is refused.
     "tests/test_mx.py::test_mx_needs_blackwell_or_emulate",
     # CPU runs it too; on a GPU the meter times steps by CUDA events while the host runs ahead of the device.
@@ -94,6 +109,10 @@ TITAN_1B_JOB = ["--model.flavor", "1B", "--training.local_batch_size", "2", "--t
 FlexAttention, the kernel for block-causal masks on GPUs; scripts/torchtitan_llama3_1b.py is the same job."""
 TORCHTITAN_MATCHED_FLAGS = ["--parallelism.force_fsdp", "--training.loss_chunk_size", "0"]
 """On top of TITAN_1B_JOB, the job scripts/torchtitan_llama3_1b.py gives torchtitan (its docstring says why)."""
+TITAN_RECOMMENDED_1B = ["--compile.enable", "--activation_checkpoint.mode", "none"]
+"""On top of TITAN_1B_JOB, the 1B job as Titan recommends running it on one 80 GB card: compiled (blocks and loss),
+and without activation checkpointing, which the dry run fits in memory at this batch (docs/performance.md); kernel
+options of FlexAttention are left at torch's defaults until a GPU session tunes them."""
 RUN_1B_STEPS, RUN_1B_LOG_FREQ = 20, 5
 """Throughput is the median over the logged windows after step RUN_1B_LOG_FREQ (compilation, allocator warm-up)."""
 
@@ -470,18 +489,29 @@ def median_after_warmup(records: list[dict], key: str, warmup_steps: int) -> flo
     return statistics.median(values)
 
 
-def check_titan_1b(session: Session, extra: list[str], name: str) -> str:
-    """train.py on TITAN_1B_JOB (+ extra): tokens/s, TFLOP/s and MFU from its metrics.jsonl."""
+def check_titan_1b(session: Session, extra: list[str], name: str, levers_off: tuple[str, ...] = (),
+                   limit_s: float = 150) -> str:
+    """train.py on TITAN_1B_JOB (+ extra), with `levers_off` (scripts/levers.py) switched off through
+    scripts/train_levers_off.py: tokens/s, TFLOP/s and MFU from its metrics.jsonl."""
     folder = session.scratch / name
-    session.run({name: python(ROOT / "train.py", *TITAN_1B_JOB, *extra, "--training.steps", str(RUN_1B_STEPS),
-                              "--metrics.log_freq", str(RUN_1B_LOG_FREQ), "--job.dump_folder", folder)}, limit_s=150)
+    entry = [ROOT / "scripts" / "train_levers_off.py", "--off", ",".join(levers_off), "--"] if levers_off else [
+        ROOT / "train.py"]
+    session.run({name: python(*entry, *TITAN_1B_JOB, *extra, "--training.steps", str(RUN_1B_STEPS),
+                              "--metrics.log_freq", str(RUN_1B_LOG_FREQ), "--job.dump_folder", folder)},
+                limit_s=limit_s)
     records = step_records(folder)
     tps = median_after_warmup(records, "tps", RUN_1B_LOG_FREQ)
     session.measured[name] = tps
     mfu = median_after_warmup(records, "mfu_pct", RUN_1B_LOG_FREQ)
     tflops = median_after_warmup(records, "tflops", RUN_1B_LOG_FREQ)
-    return (f"{tps:,.0f} tokens/s, {tflops:.0f} TFLOP/s, MFU {mfu:.1f}%, peak {max(r['mem_gib'] for r in records):.1f} "
-            f"GiB (steps {RUN_1B_LOG_FREQ + 1}-{RUN_1B_STEPS}; `train.py {' '.join(TITAN_1B_JOB + extra)}`)")
+    details = (f"{tps:,.0f} tokens/s, {tflops:.0f} TFLOP/s, MFU {mfu:.1f}%, peak "
+               f"{max(r['mem_gib'] for r in records):.1f} GiB (steps {RUN_1B_LOG_FREQ + 1}-{RUN_1B_STEPS}; "
+               f"`train.py {' '.join(TITAN_1B_JOB + extra)}`" + (f" with {', '.join(levers_off)} off)" if levers_off
+                                                                 else ")"))
+    on = session.measured.get("titan_1B_fsdp")
+    if levers_off and on is not None:
+        details += f"; all levers on {on:,.0f}: on/off {on / tps:.3f}"
+    return details
 
 
 def torchtitan_assets(scratch: Path) -> tuple[Path, Path]:
@@ -513,23 +543,26 @@ def torchtitan_flags(tokenizer_folder: Path, data_folder: Path, dump_folder: Pat
             "--metrics.log_freq", str(RUN_1B_LOG_FREQ), "--parallelism.spmd_backend", "partial_dtensor"]
 
 
-def check_torchtitan_1b(session: Session) -> str:
-    """torchtitan 0.3.0 on the 1B job (scripts/torchtitan_llama3_1b.py), against Titan's run of it with FSDP over
-    one rank, as torchtitan always wraps one GPU: tokens/s and the ratio, Titan's over torchtitan's."""
+def check_torchtitan_1b(session: Session, extra: list[str], titan_row: str, limit_s: float = 180) -> str:
+    """torchtitan 0.3.0 on the 1B job (scripts/torchtitan_llama3_1b.py, + extra), against Titan's run of it in the
+    row `titan_row` (FSDP over one rank, as torchtitan always wraps one GPU): tokens/s and the ratio, Titan's over
+    torchtitan's."""
     tokenizer_folder, data_folder = torchtitan_assets(session.scratch)
     # Offline, and one rank's share of what torchrun would set: torchtitan's trainer starts a process group from it.
     env = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(session.scratch / "hf"), "RANK": "0",
            "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(get_free_port())}
     command = python(ROOT / "scripts" / "torchtitan_llama3_1b.py",
-                     *torchtitan_flags(tokenizer_folder, data_folder, session.scratch / "torchtitan"))
-    output = session.run({"torchtitan": command}, limit_s=180, env=env)["torchtitan"]
+                     *torchtitan_flags(tokenizer_folder, data_folder, session.scratch / "torchtitan"), *extra)
+    output = session.run({"torchtitan": command}, limit_s=limit_s, env=env)["torchtitan"]
     records = torchtitan_records(output)
     tps = median_after_warmup(records, "tps", RUN_1B_LOG_FREQ)
     details = f"torchtitan {tps:,.0f} tokens/s, MFU {median_after_warmup(records, 'mfu', RUN_1B_LOG_FREQ):.1f}%"
-    titan = session.measured.get("titan_1B_fsdp")
+    if extra:
+        details += f" (`{' '.join(extra)}`)"
+    titan = session.measured.get(titan_row)
     if titan is None:
-        raise CheckFailed(f"{details}; no ratio: Titan's run of the job (titan_1B_fsdp) did not run or failed")
+        raise CheckFailed(f"{details}; no ratio: Titan's run of the job ({titan_row}) did not run or failed")
     return f"{details}; Titan {titan:,.0f}: titan/torchtitan {titan / tps:.3f} (not matched: see below)"
 
 
@@ -553,8 +586,34 @@ CHECKS = [
     Check("titan_1B", "Titan 1B: tokens/s and MFU", partial(check_titan_1b, extra=[], name="titan_1B")),
     Check("titan_1B_fsdp", "Titan 1B as torchtitan runs it: FSDP over one rank, whole-batch loss",
           partial(check_titan_1b, extra=TORCHTITAN_MATCHED_FLAGS, name="titan_1B_fsdp")),
-    Check("torchtitan_1B", "torchtitan 0.3.0, the same 1B job", check_torchtitan_1b),
+    Check("torchtitan_1B", "torchtitan 0.3.0, the same 1B job",
+          partial(check_torchtitan_1b, extra=[], titan_row="titan_1B_fsdp")),
+    Check("titan_1B_fsdp_compiled", "Titan 1B as torchtitan runs it, compiled",
+          partial(check_titan_1b, extra=[*TORCHTITAN_MATCHED_FLAGS, "--compile.enable"],
+                  name="titan_1B_fsdp_compiled", limit_s=180)),
+    Check("torchtitan_1B_compiled", "torchtitan 0.3.0, the same 1B job, compiled (CUDA graphs off)",
+          partial(check_torchtitan_1b, extra=["--compile.enable"], titan_row="titan_1B_fsdp_compiled",
+                  limit_s=240)),
+    Check("titan_1B_recommended", "Titan 1B as Titan recommends it on one card: compiled, no AC",
+          partial(check_titan_1b, extra=TITAN_RECOMMENDED_1B, name="titan_1B_recommended", limit_s=180)),
+    Check("torchtitan_1B_cuda_graphs", "torchtitan 0.3.0, the 1B job compiled with its CUDA graphs (its default)",
+          partial(check_torchtitan_1b, extra=["--compile.enable", "--training.no-disable-cuda-graphs"],
+                  titan_row="titan_1B_fsdp_compiled", limit_s=240)),
+    *(Check(f"lever_{name}", f"Titan 1B as torchtitan runs it, {name} off ({lever.what})",
+            partial(check_titan_1b, extra=TORCHTITAN_MATCHED_FLAGS, name=f"lever_{name}", levers_off=(name,)))
+      for name, lever in LEVERS.items()),
 ]
+
+SELECTIONS = {
+    "proof": ["tests", "flex", "grouped_mm", "bf16_adam", "fsdp", *(f"overhead_{job}" for job in OVERHEAD_JOBS),
+              "titan_1B", "titan_1B_fsdp", "torchtitan_1B"],
+    "perf": ["titan_1B_fsdp", "torchtitan_1B", "titan_1B_fsdp_compiled", "torchtitan_1B_compiled",
+             "titan_1B_recommended"],
+    "levers": ["titan_1B_fsdp", *(f"lever_{name}" for name in LEVERS), "torchtitan_1B_cuda_graphs"],
+}
+"""Which checks one call runs (--proof, the default; --perf; --levers), each within a lent machine's 8 minutes
+after start-up: the proof of the GPU, then issue 51's throughput rows in its order of priority, then each lever
+off (against the matched job with all on, which the selection runs first) and torchtitan's CUDA graphs."""
 
 
 def run_check(session: Session, check: Check) -> Result:
@@ -586,50 +645,63 @@ def environment_line(total_seconds: float, results: list[Result]) -> str:
             f"{total_seconds / 60:.1f} minutes.")
 
 
-def render_section(environment: str, results: list[Result]) -> str:
-    """The marked section of docs/performance.md: the environment, one row per check, and, with the torchtitan
-    row, what its job could not match."""
+def render_section(environment: str, results: list[Result], selection: str = "proof") -> str:
+    """The marked section of docs/performance.md for `selection`: the environment, one row per check, and, with a
+    torchtitan row, what its job could not match."""
+    begin, end = markers(selection)
     rows = [f"| {r.title} | {'ok' if r.ok else '**FAILED**'} | {r.seconds:.0f} | {r.details.replace('|', '/')} |"
             for r in results]
-    lines = [BEGIN, environment, "", "| check | result | s | what it found |", "| --- | --- | --- | --- |", *rows]
-    if any(result.key == "torchtitan_1B" for result in results):
+    lines = [begin, environment, "", "| check | result | s | what it found |", "| --- | --- | --- | --- |", *rows]
+    if any(result.key.startswith("torchtitan_1B") for result in results):
         lines += ["", "Not matched between the Titan and torchtitan runs of the 1B job:",
                   *(f"- {difference}." for difference in TORCHTITAN_NOT_MATCHED)]
-    return "\n".join([*lines, END])
+    return "\n".join([*lines, end])
 
 
-def section_of(text: str, where: str) -> tuple[int, int]:
-    """Start of the begin marker and end of the end marker of the one marked section in text."""
-    begin, end = text.find(BEGIN), text.find(END)
-    if text.count(BEGIN) != 1 or text.count(END) != 1 or end < begin:
-        raise ValueError(f"{where} must hold one {BEGIN} ... {END} section, in that order: restore it from git "
-                         f"(docs/performance.md, section 'One command that proves a GPU').")
-    return begin, end + len(END)
+def section_of(text: str, where: str, selection: str = "proof") -> tuple[int, int]:
+    """Start of the begin marker and end of the end marker of the selection's one marked section in text."""
+    begin_marker, end_marker = markers(selection)
+    begin, end = text.find(begin_marker), text.find(end_marker)
+    if text.count(begin_marker) != 1 or text.count(end_marker) != 1 or end < begin:
+        raise ValueError(f"{where} must hold one {begin_marker} ... {end_marker} section, in that order: restore it "
+                         f"from git (docs/performance.md, section 'One command that proves a GPU').")
+    return begin, end + len(end_marker)
 
 
-def replace_section(text: str, section: str, where: str) -> str:
-    """text with its marked section replaced by `section` (which holds the markers)."""
-    begin, end = section_of(text, where)
+def replace_section(text: str, section: str, where: str, selection: str = "proof") -> str:
+    """text with the selection's marked section replaced by `section` (which holds the markers)."""
+    begin, end = section_of(text, where, selection)
     return text[:begin] + section + text[end:]
+
+
+def selection_of_section(text: str, where: str) -> str:
+    """Which selection's table `text` (a device run's gpu_check.md) holds, by its markers."""
+    found = [selection for selection in SELECTIONS if markers(selection)[0] in text]
+    if len(found) != 1:
+        raise ValueError(f"{where} holds no gpu_check table, or several: {found}. Pass the gpu_check.md a run wrote.")
+    return found[0]
 
 
 def apply_section(path: Path) -> None:
     """Paste the marked section of `path` (a device run's gpu_check.md) into docs/performance.md."""
-    begin, end = section_of(path.read_text(), str(path))
-    DOC.write_text(replace_section(DOC.read_text(), path.read_text()[begin:end], str(DOC)))
+    text = path.read_text()
+    selection = selection_of_section(text, str(path))
+    begin, end = section_of(text, str(path), selection)
+    DOC.write_text(replace_section(DOC.read_text(), text[begin:end], str(DOC), selection))
 
 
-def run_checks(checks: list[Check], log_dir: Path, budget_s: float) -> bool:
-    """Run the checks in order, write the table into docs/performance.md and log_dir; True when all passed."""
+def run_checks(checks: list[Check], log_dir: Path, budget_s: float, selection: str = "proof") -> bool:
+    """Run the checks in order, write the table into the selection's section of docs/performance.md and into
+    log_dir; True when all passed."""
     log_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     with open(log_dir / LOG_FILE, "w") as log, tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
         session = Session(Path(scratch), log, deadline=start + budget_s)
         results = [run_check(session, check) for check in checks]
-        section = render_section(environment_line(time.monotonic() - start, results), results)
+        section = render_section(environment_line(time.monotonic() - start, results), results, selection)
         session.say(section)
     (log_dir / SECTION_FILE).write_text(section + "\n")
-    DOC.write_text(replace_section(DOC.read_text(), section, str(DOC)))
+    DOC.write_text(replace_section(DOC.read_text(), section, str(DOC), selection))
     return all(result.ok for result in results)
 
 
@@ -637,6 +709,15 @@ def main() -> None:
     keys = [check.key for check in CHECKS]
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=keys, metavar="KEY", help=f"run only these: {' '.join(keys)}")
+    selection = parser.add_mutually_exclusive_group()
+    selection.add_argument("--proof", dest="selection", action="store_const", const="proof",
+                           help="the GPU's proof: tests, kernels, FSDP, overhead, the 1B job against torchtitan "
+                                "(the default)")
+    selection.add_argument("--perf", dest="selection", action="store_const", const="perf",
+                           help="the 1B job against torchtitan eager and compiled, and as Titan recommends it")
+    selection.add_argument("--levers", dest="selection", action="store_const", const="levers",
+                           help="the 1B job with each of scripts/levers.py's changes off, and torchtitan with CUDA "
+                                "graphs")
     parser.add_argument("--log-dir", type=Path, default=ROOT / "outputs" / "gpu_check",
                         help=f"where {LOG_FILE} (every command's output) and {SECTION_FILE} (the table) go")
     parser.add_argument("--budget-s", type=float, default=450,
@@ -650,8 +731,10 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check.py needs a CUDA GPU: run it on a lent GPU machine, as its docstring says.")
-    checks = [check for check in CHECKS if args.only is None or check.key in args.only]
-    sys.exit(0 if run_checks(checks, args.log_dir, args.budget_s) else 1)
+    selection = args.selection or "proof"  # --only's checks fill the proof's table, as before selections
+    wanted = args.only or SELECTIONS[selection]
+    checks = [check for check in CHECKS if check.key in wanted]
+    sys.exit(0 if run_checks(checks, args.log_dir, args.budget_s, selection) else 1)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gpu_check
+import train_levers_off
 from gpu_check import (
     BEGIN,
     CUDA_ONLY_TESTS,
@@ -21,11 +22,14 @@ from gpu_check import (
     CheckFailed,
     Result,
 )
+from levers import LEVERS, levers_off
 from titan.config.check import load_job_config
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
 from titan.models.common.family import BuildOptions
 from titan.models.common.flops import num_params
 from titan.models.families import FAMILIES
+
+from harness.train_script import run_train_argv
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +156,56 @@ def test_a_device_runs_table_is_pasted_into_the_docs(tmp_path: Path, monkeypatch
     returned.write_text(gpu_check.render_section("a run", results()) + "\n")
     gpu_check.apply_section(returned)
     assert doc.read_text().count(BEGIN) == 1 and "| torchtitan 0.3.0 | **FAILED** |" in doc.read_text()
+
+
+def test_each_selection_fills_its_own_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A --perf run's table replaces the perf section and leaves the proof's (and the levers') as they were."""
+    doc = tmp_path / "performance.md"
+    doc.write_text((ROOT / "docs" / "performance.md").read_text())
+    monkeypatch.setattr(gpu_check, "DOC", doc)
+    before = doc.read_text()
+    returned = tmp_path / "gpu_check.md"
+    returned.write_text(gpu_check.render_section("a perf run", results(), "perf") + "\n")
+    gpu_check.apply_section(returned)
+    after = doc.read_text()
+    for selection in ("proof", "levers"):
+        begin, end = gpu_check.section_of(before, "before", selection)
+        assert before[begin:end] in after
+    begin, end = gpu_check.section_of(after, "after", "perf")
+    assert after[begin:end].startswith("<!-- gpu_check perf:begin -->\na perf run")
+    with pytest.raises(ValueError, match="holds no gpu_check table"):
+        gpu_check.selection_of_section("no markers", "returned.md")
+
+
+def test_the_selections_run_issue_51s_rows_in_its_order() -> None:
+    """Every selection names existing checks; --perf starts with the matched eager pair, then the compiled pair,
+    then the recommended job; --levers runs the matched job with all levers on before each one off."""
+    keys = {check.key for check in gpu_check.CHECKS}
+    assert all(set(names) <= keys for names in gpu_check.SELECTIONS.values())
+    assert gpu_check.SELECTIONS["perf"] == ["titan_1B_fsdp", "torchtitan_1B", "titan_1B_fsdp_compiled",
+                                            "torchtitan_1B_compiled", "titan_1B_recommended"]
+    levers = gpu_check.SELECTIONS["levers"]
+    assert levers[0] == "titan_1B_fsdp" and {f"lever_{name}" for name in LEVERS} <= set(levers)
+
+
+def test_every_lever_off_keeps_the_loss(tmp_path: Path) -> None:
+    """scripts/train_levers_off.py's command line with all of scripts/levers.py's changes off trains the debug model
+    to the losses of train.py with them on (fp32 on the CPU: the same arithmetic but RoPE's rounding order). Both in
+    this process: the script is its parse and the levers around train.py's main."""
+    flags = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--training.steps", "3",
+             "--metrics.log_freq", "1"]
+    names, train_argv = train_levers_off.parse(["--off", ",".join(LEVERS), "--", *flags])
+    assert names == list(LEVERS) and train_argv == flags
+    with levers_off(names):
+        off = run_train_argv([*train_argv, "--job.dump_folder", str(tmp_path / "off")])
+    assert off.returncode == 0, off.stdout[-3000:]
+    on = run_train_argv([*flags, "--job.dump_folder", str(tmp_path / "on")])
+    assert on.returncode == 0, on.stdout[-3000:]
+    losses = {name: [record["loss"] for record in gpu_check.step_records(tmp_path / name)] for name in ("on", "off")}
+    assert len(losses["on"]) == 3
+    assert losses["off"] == pytest.approx(losses["on"], abs=1e-5)
+    with pytest.raises(SystemExit):
+        train_levers_off.parse(["--off", "fused_norm,no_such_lever", "--"])
 
 
 def test_the_device_command_is_the_documented_one() -> None:

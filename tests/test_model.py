@@ -3,17 +3,26 @@
 import ast
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan.models.common.args import padded_vocab_size
 from titan.models.common.attention import Attention, SDPAAttention, expand_kv_heads
 from titan.models.common.flops import num_params
 from titan.models.common.loss import cross_entropy_loss
-from titan.models.common.rotary import RopeScaling, apply_rotary_emb, precompute_rope_cache, scale_rope_frequencies
+from titan.models.common.norms import RMSNorm
+from titan.models.common.rotary import (
+    RopeScaling,
+    apply_rotary_emb,
+    precompute_rope_cache,
+    real_rotation,
+    scale_rope_frequencies,
+)
 from titan.models.llama import LLAMA3_FLAVORS, ModelArgs, Transformer, ffn_hidden_dim, flops_per_token, init_weights
 from titan.models.llama.args import LLAMA31_ROPE_SCALING
 
@@ -95,11 +104,17 @@ def test_rope_matches_rotation_reference() -> None:
     torch.testing.assert_close(got.double(), rotate_reference(x, 10000.0), rtol=1e-5, atol=1e-5)
 
 
+def compiled_rotation(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """apply_rotary_emb as a compiled block runs it: the real tables (inductor has no complex codegen)."""
+    return real_rotation(x, rope_cache[None, :x.size(1)])
+
+
+@pytest.mark.parametrize("rotate", [apply_rotary_emb, compiled_rotation], ids=["eager_complex", "compiled_real"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_real_rope_equals_complex_reference(dtype: torch.dtype) -> None:
-    """The real cos/sin rotation is Meta's complex product written out: the same fp32 products and sums, so
-    equal up to the rounding order inside complex multiplication (a few fp32 ulps; at most 1 bf16 ulp after the
-    cast back), with and without Llama 3.1 frequency scaling."""
+def test_rope_equals_complex_reference(rotate: Callable, dtype: torch.dtype) -> None:
+    """Eager RoPE (a complex product) and compiled RoPE (the product written out in reals) are Meta's complex
+    product: the same fp32 products and sums, so equal up to the rounding order inside complex multiplication (a few
+    fp32 ulps; at most 1 bf16 ulp after the cast back), with and without Llama 3.1 frequency scaling."""
     for scaling in (None, LLAMA31_ROPE_SCALING):
         args = ModelArgs(dim=256, n_layers=1, n_heads=2, n_kv_heads=2, rope_scaling=scaling, max_seq_len=64)
         freqs = 1.0 / (args.rope_theta ** (torch.arange(0, 128, 2, dtype=torch.float32) / 128))
@@ -108,13 +123,38 @@ def test_real_rope_equals_complex_reference(dtype: torch.dtype) -> None:
         table = complex_rotation_table(128, 64, args.rope_theta, freqs)
         torch.manual_seed(0)
         x = (4 * torch.randn(2, 48, 3, 128)).to(dtype)
-        got, want = apply_rotary_emb(x, precompute_rope_cache(args)), complex_rope(x, table)
+        got, want = rotate(x, precompute_rope_cache(args)), complex_rope(x, table)
         assert got.dtype == dtype
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         else:
             # One bf16 ulp at the value's magnitude: 2^-7 relative.
             assert ((got.float() - want.float()).abs() <= want.float().abs() * 2**-7 + 1e-30).all()
+
+
+class KernelCount(TorchDispatchMode):
+    """Counts the aten ops that launch a kernel on a GPU: every op but views and shape queries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # torch's signature, untyped
+        if not func.is_view and func._overloadpacket not in (torch.ops.aten.sym_size, torch.ops.aten.sym_stride):
+            self.ops.append(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_rope_launches_three_kernels_for_bf16() -> None:
+    """The eager rotation of a bf16 q or k: upcast, one complex multiply, downcast (the real tables took nine,
+    four of them on stride-2 halves), whether the rows are shared or gathered per sample (block-causal)."""
+    args = ModelArgs(dim=256, n_layers=1, n_heads=2, n_kv_heads=2, max_seq_len=64)
+    x = torch.randn(2, 48, 2, 128, dtype=torch.bfloat16)
+    table = precompute_rope_cache(args)
+    for rows in (table, table[torch.randint(0, 64, (2, 48))]):
+        with KernelCount() as counted:
+            apply_rotary_emb(x, rows)
+        assert counted.ops == ["_to_copy", "mul", "_to_copy"], counted.ops
 
 
 def scale_reference(freq: float, s: RopeScaling) -> float:
@@ -266,3 +306,39 @@ def test_models_import_nothing_from_parallel_or_other_stages() -> None:
         for name in imported_modules(path, package):
             assert not name.startswith("torch.distributed"), f"{path} imports {name}"
             assert not name.startswith("titan") or name.startswith("titan.models"), f"{path} imports {name}"
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float64: x * rsqrt(mean(x^2) + eps) * weight, unrounded."""
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+@pytest.mark.parametrize(("x_dtype", "weight_dtype"), [(torch.bfloat16, torch.bfloat16),
+                                                      (torch.float32, torch.float32),
+                                                      (torch.bfloat16, torch.float32)],
+                         ids=["bf16_under_fsdp", "fp32", "bf16_under_autocast"])
+def test_rms_norm_accumulates_in_fp32_and_rounds_once(x_dtype: torch.dtype, weight_dtype: torch.dtype) -> None:
+    """Under FSDP's bf16 parameters the norm is one F.rms_norm call: fp32 inside and the output rounded once, so it
+    is the float64 result correctly rounded (but where fp32's own error meets a rounding tie: 1 in 32,768 here),
+    where normalising and scaling apart rounded twice (a quarter of the values off). It stays within one bf16
+    rounding of that two-step norm, and autocast's fp32 weight keeps the two-step form."""
+    torch.manual_seed(0)
+    norm = RMSNorm(512, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(512))
+    norm = norm.to(weight_dtype)
+    x = (3 * torch.randn(64, 512)).to(x_dtype)
+    got = norm(x)
+    want = rms_norm_reference(x, norm.weight, 1e-6)
+    two_step = F.rms_norm(x.float(), (512,), eps=1e-6).type_as(x) * norm.weight
+    if x_dtype == weight_dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=1e-6)
+    elif weight_dtype == torch.bfloat16:
+        assert got.dtype == torch.bfloat16
+        rounded = want.to(torch.bfloat16)
+        assert (got != rounded).float().mean() < 1e-3
+        assert (two_step != rounded).float().mean() > 0.1  # the case tells one rounding from two
+        torch.testing.assert_close(got.float(), two_step.float(), rtol=2**-7, atol=1e-6)
+    else:
+        assert torch.equal(got, two_step)

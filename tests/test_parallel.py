@@ -3,12 +3,15 @@
 import itertools
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.device_mesh import init_device_mesh
 
 from titan.config.activation_checkpoint import keeps_attention, records_ops
 from titan.config.check import load_job_config
@@ -20,9 +23,14 @@ from titan.dry_run import documented_world_size
 from titan.models.common.loss import cross_entropy_loss
 from titan.models.families import FAMILIES
 from titan.models.llama import ModelArgs, Transformer, init_weights
+from titan.models.qwen3 import QWEN3_FLAVORS
+from titan.models.qwen3 import Transformer as Qwen3
+from titan.models.qwen3 import init_weights as init_qwen3
 from titan.parallel.ac import apply_ac
 from titan.parallel.compile import apply_compile
 from titan.parallel.dims import resolve_dims
+from titan.parallel.ep import block_experts
+from titan.parallel.fsdp import apply_expert_fsdp, apply_fsdp
 from titan.parallel.parallelize import parallelize_model
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
@@ -754,3 +762,49 @@ def test_every_pair_of_features_a_shipped_config_combines_has_a_parity_case() ->
                 missing.setdefault(pair, []).append(config.name)
     assert not missing, "no parity case combines: " + "; ".join(f"{' + '.join(pair)} ({', '.join(configs)})"
                                                                for pair, configs in sorted(missing.items()))
+
+
+class Stop(Exception):
+    """Raised by a forward pre-hook once it has seen a unit's inputs: the test needs them, not the forward."""
+
+
+def inputs_as_the_unit_sees_them(unit: torch.nn.Module, run: Callable[[], object]) -> list[torch.dtype]:
+    """The dtypes of the floating-point tensors `unit` receives when `run` calls it, after FSDP's pre-forward (the
+    hook is registered after fully_shard's, so it runs after any cast FSDP makes)."""
+    seen: list[torch.dtype] = []
+
+    def record(module: torch.nn.Module, args: tuple) -> None:
+        seen.extend(arg.dtype for arg in args if isinstance(arg, torch.Tensor) and arg.is_floating_point())
+        raise Stop
+
+    handle = unit.register_forward_pre_hook(record)
+    try:
+        with pytest.raises(Stop):
+            run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_fsdp_units_take_their_inputs_as_given_under_bf16_parameters(tmp_path: Path) -> None:
+    """--training.mixed_precision_param bfloat16 gathers parameters in bf16 but must not cast what a unit is given:
+    FSDP's default (cast_forward_inputs) would round the float32 rotary table to bf16 at every block, and the
+    experts' unit's inputs likewise. One rank, so that the units are real FSDP units on this CPU."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        args = replace(QWEN3_FLAVORS["debugmodel_moe"], n_layers=1, vocab_size=256)
+        model = Qwen3(args)
+        init_qwen3(model)
+        (experts,) = block_experts(model, "moe.experts").values()
+        apply_expert_fsdp(model, mesh, "moe.experts", torch.bfloat16, torch.float32)
+        apply_fsdp(model, mesh, torch.bfloat16, torch.float32, reshard_after_forward="default")
+        tokens = torch.randint(0, args.vocab_size, (1, 16))
+        # The block: bf16 hidden states from the embedding, and the float32 rotary table as built.
+        block_inputs = inputs_as_the_unit_sees_them(model.layers["0"], lambda: model(tokens))
+        assert block_inputs == [torch.bfloat16, torch.float32]
+        x = torch.randn(16, args.dim)
+        counts = torch.full((args.moe.num_experts,), 2, dtype=torch.int64)
+        assert inputs_as_the_unit_sees_them(experts, lambda: experts(x, counts)) == [torch.float32]
+    finally:
+        dist.destroy_process_group()

@@ -14,6 +14,9 @@ Used only by the dry run (titan/estimate/simulate.py), under simulated_gpu:
   readback records an event), synchronize, the card's name and compute capability (the --estimate.gpu card's), its
   memory counters (zero: the dry run counts memory itself, titan/estimate/trace.py) and random state; and SDPA's
   kernel choice (cuda_sdpa), which a CPU-only torch would answer with its math fallback. docs/scale.md lists them.
+- register_cuda_build_kernels: a torch built without CUDA decomposes a few ops on fake CUDA tensors that a CUDA
+  build runs as one kernel (RMSNorm's fused kernel, silu's backward), so that the dry run would count four kernels
+  where a GPU launches one.
 """
 
 import contextlib
@@ -49,6 +52,42 @@ FLASH_MAX_HEAD_DIM = 256
 
 
 TORCH_SDPA = F.scaled_dot_product_attention
+
+
+FUSED_CUDA_OPS = ("_fused_rms_norm", "_fused_rms_norm_backward")
+"""Ops that a CUDA build of torch 2.11-2.13 has CUDA kernels for and that the composite ops pick where a kernel for
+the device exists (F.rms_norm); a CPU build has no kernel for them at all."""
+
+_CUDA_BUILD_KERNELS: list[torch.library.Library] = []
+
+
+def decomposed_on_cuda() -> list[str]:
+    """The aten ops that this build decomposes on (fake) CUDA tensors although a CUDA build runs them as one kernel:
+    FUSED_CUDA_OPS, and those with a CPU kernel and a composite one but no CUDA kernel (a CUDA build has both
+    kernels: the composite then serves only other devices). Empty on a CUDA build."""
+    def has(op: str, key: str) -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{op}", key)
+
+    ops = [name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names() if name.startswith("aten::")]
+    composite = [op for op in ops if has(op, "CPU") and has(op, "CompositeImplicitAutograd")]
+    return [op for op in (*FUSED_CUDA_OPS, *sorted(composite)) if not has(op, "CUDA")]
+
+
+def register_cuda_build_kernels() -> None:
+    """Give every op of decomposed_on_cuda a CUDA kernel, once per process, so that fake CUDA tensors reach it whole
+    (as on a CUDA build) and fake tensors run its shape rule. The kernel itself only refuses: no real tensor is
+    on CUDA in a torch without it."""
+    if _CUDA_BUILD_KERNELS:
+        return
+    library = torch.library.Library("aten", "IMPL")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("The dry run's placeholder for a CUDA kernel ran on a real tensor: this torch has no CUDA "
+                           "kernels, and only fake tensors may take the simulated GPU's ops.")
+
+    for op in decomposed_on_cuda():
+        library.impl(op, refuse, "CUDA")
+    _CUDA_BUILD_KERNELS.append(library)  # kept alive: a Library's registrations end with it
 
 
 class CudaRuleError(RuntimeError):
@@ -224,5 +263,6 @@ def simulated_cuda_runtime(name: str, capability: tuple[int, int]) -> Iterator[N
 def simulated_gpu(name: str, capability: tuple[int, int], fake_mode: FakeTensorMode) -> Iterator[None]:
     """Everything the dry run's GPU rank runs under: the runtime's stand-ins and CUDA's device rules, on the fake
     tensors of `fake_mode`."""
+    register_cuda_build_kernels()
     with simulated_cuda_runtime(name, capability), CudaDeviceRules(fake_mode):
         yield

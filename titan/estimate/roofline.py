@@ -39,6 +39,8 @@ class OpCost:
     """Dtype class of a matmul's inputs: "bf16" (fp16 counts the same), "fp32", "fp8" (MX included) or "fp4"."""
     attention: bool = False
     """A fused attention kernel, whose FLOPs run at GPUSpec.attention_efficiency rather than the matmuls' share."""
+    name: str = ""
+    """The op's name (aten's, or a custom op's), for listings of what a step runs."""
 
 
 @dataclass(frozen=True)

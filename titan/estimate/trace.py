@@ -276,7 +276,7 @@ class StepRecorder(TorchDispatchMode):
         moved = sum(t.numel() * t.element_size() for t in (*inputs, *outputs))
         flops = op_flops(func, args, kwargs, out)
         self.ops.append(OpCost(flops=flops, bytes=moved, precision=precision_class(inputs[0]) if flops else "bf16",
-                               attention=func._overloadpacket in ATTENTION_OPS))
+                               attention=func._overloadpacket in ATTENTION_OPS, name=func._overloadpacket.__name__))
 
     def record_collective(self, func: torch._ops.OpOverload, args: tuple, out: object) -> None:
         """One collective's payload (roofline.Collective's conventions) and group; its buffers are communication

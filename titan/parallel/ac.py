@@ -17,12 +17,15 @@ from titan.metrics.log import logger
 # checkpointed blocks with save_attention. FlexAttention reaches the policy as torch's flex_attention higher-order
 # op (torch/_higher_order_ops/flex_attention.py redirects it to the selective-checkpoint modes) where a compiled
 # block traces it (--compile.enable) and where it runs eagerly (CPU); torchtitan's _op_sac_save_list keeps it too.
-# Eager blocks on CUDA call it as a compiled region of its own, whose kernels no dispatch mode sees.
+# Eager blocks on CUDA call it as a region compiled on its own, which reaches the policy as one
+# inductor_compiled_code op (titan/models/common/attention.py VISIBLE_REGION_OPTIONS): saved, its output is what
+# the backward reads, where otherwise the recompute would run the region's kernels a second time.
 SAVE_ALWAYS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.higher_order.flex_attention,
+    torch.ops.higher_order.inductor_compiled_code,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):

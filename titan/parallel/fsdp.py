@@ -29,6 +29,15 @@ def reshard_experts_after_forward(policy: str, pipelined: bool) -> bool:
     return policy == "default" and not pipelined
 
 
+def mixed_precision(param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """FSDP's casts of every unit: parameters gathered in param_dtype, gradients reduced in reduce_dtype, and the
+    forward's inputs left as they come (cast_forward_inputs=False, as torchtitan). By default FSDP casts a unit's
+    floating-point inputs to param_dtype, and that would hand every block the float32 rotary table in bf16: the
+    rotation computes in float32 from a table already rounded. Activations arrive in param_dtype anyway, from the
+    embedding's gathered weight."""
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+
+
 def offload_policy(mesh: DeviceMesh, cpu_offload: bool) -> OffloadPolicy:
     """FSDP's shards in host memory with `cpu_offload` (pinned where the mesh is on CUDA, for asynchronous copies)."""
     return CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
@@ -40,7 +49,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype, red
     parameters all-gathered in param_dtype, gradients reduce-scattered in reduce_dtype. A 2-D mesh
     (replicate, shard) gives HSDP. `cpu_offload` keeps the shards, their gradients and so the optimizer state in
     host memory (pinned where the mesh is on CUDA, for asynchronous copies)."""
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = mixed_precision(param_dtype, reduce_dtype)
     offload = offload_policy(mesh, cpu_offload)
     num_layers = len(model.layers)
     for index, block in enumerate(model.layers.values()):
@@ -64,7 +73,7 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, experts: str, param_dt
     gradient; expert parallel scales them for the EP ranks (titan/parallel/ep.py). `reshard_after_forward`:
     reshard_experts_after_forward's. `cpu_offload` keeps them in host memory with the rest of the model's shards, so
     that every gradient, and its norm, is on one device."""
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp_policy = mixed_precision(param_dtype, reduce_dtype)
     units = list(block_experts(model, experts).values())
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp_policy, offload_policy=offload_policy(mesh, cpu_offload),

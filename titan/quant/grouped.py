@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from titan.models.common.moe import grouped_mm_supported, host_counts, matmul_dtype
+from titan.models.common.swiglu import silu_gate
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def padded_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor,
     x, w1, w2, w3 = (tensor.to(dtype) for tensor in (x, w1, w2, w3))
     groups = pad_groups(counts, x.size(0), alignment)
     padded = groups.pad(x)  # (rows, dim)
-    hidden = F.silu(grouped_mm(padded, w1, groups)) * grouped_mm(padded, w3, groups)  # (rows, hidden)
+    hidden = silu_gate(grouped_mm(padded, w1, groups), grouped_mm(padded, w3, groups))  # (rows, hidden)
     return groups.unpad(grouped_mm(hidden, w2, groups))
 
 

@@ -87,16 +87,28 @@ def build_dense_mask(document_ids: Tensor) -> Tensor:
     return (same_document & causal)[:, None]
 
 
+VISIBLE_REGION_OPTIONS = {"wrap_inductor_compiled_regions": True}
+"""Inductor options of a region compiled on its own inside eager code: run its compiled code as torch's
+inductor_compiled_code higher-order op, which dispatch modes see as one op. Without it the region's kernels are
+invisible to selective activation checkpointing's policy (titan/parallel/ac.py), which then cannot save the region's
+output, and the backward runs the whole region again (torchtitan compiles its FlexAttention so too)."""
+
+
+def compile_visible_region(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """`fn` compiled on its own, for static shapes, as one op that dispatch modes see (VISIBLE_REGION_OPTIONS)."""
+    return torch.compile(fn, dynamic=False, options=VISIBLE_REGION_OPTIONS)
+
+
 @cache
 def compiled_flex_attention() -> Callable[..., Tensor]:
     """flex_attention compiled, once per process. torch's fused FlexAttention kernels exist only in compiled code:
     called eagerly, flex_attention runs an unfused reference that holds the whole score matrix. On CUDA it is always
-    compiled, on its own in eager blocks (as torchtitan does) and with the block under --compile.enable. On CPU,
-    where torch has no FlexAttention backward and it only runs forward (evaluation, tests), eager blocks take the
-    reference."""
+    compiled, on its own in eager blocks (as torchtitan does; a region selective checkpointing saves, not recomputes)
+    and with the block under --compile.enable. On CPU, where torch has no FlexAttention backward and it only runs
+    forward (evaluation, tests), eager blocks take the reference."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return compile_visible_region(flex_attention)
 
 
 class FlexAttention(nn.Module):

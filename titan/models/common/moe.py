@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from titan.models.common.feed_forward import FeedForward
+from titan.models.common.swiglu import silu_gate
 
 
 @dataclass(frozen=True)
@@ -85,11 +86,11 @@ def grouped_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor
     if grouped_mm_supported(x, valueless):
         offsets = counts.cumsum(0).to(torch.int32)  # where each expert's block ends
         # _grouped_mm multiplies block i of x by matrix i of a (experts, in, out) tensor: the weights transposed.
-        hidden = F.silu(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
-        hidden = hidden * torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        hidden = silu_gate(torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets),
+                           torch._grouped_mm(x, w3.transpose(-2, -1), offs=offsets))
         return torch._grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
     # Elsewhere one matmul per expert; the block sizes are read on the host (a graph break under compile).
-    outputs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+    outputs = [F.linear(silu_gate(F.linear(rows, w1[e]), F.linear(rows, w3[e])), w2[e])
                for e, rows in enumerate(x.split(host_counts(counts, x.size(0), valueless)))]
     return torch.cat(outputs)
 

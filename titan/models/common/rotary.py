@@ -40,7 +40,8 @@ def precompute_rope_cache(args: DecoderArgs) -> Tensor:
     """cos and sin of position * freq for every position up to max_seq_len and every rotated channel pair of a head:
     fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
     head_dim is the rotated part of a head (all of it but in multi-head latent attention). Real tables rather than
-    Meta's complex e^(i * position * freq): inductor generates no code for complex ops. YaRN scales both by its
+    Meta's complex e^(i * position * freq), which inductor generates no code for: eager forwards read the same
+    table as complex numbers (apply_rotary_emb). YaRN scales both by its
     attention factor, so that the rotated channels carry it into q.k."""
     head_dim = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -75,14 +76,35 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:
     """Rotate each channel pair (2i, 2i+1) of x (bs, seq, heads, head_dim) by its position's angle, in fp32:
-    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product written out in reals. rope_cache: the rows of
+    (a, b) -> (a cos - b sin, a sin + b cos), Meta's complex product, back in x's dtype. rope_cache: the rows of
     each sample's positions (bs, seq, head_dim // 2, 2), or rows shared by every sample whose first seq rows are
-    x's positions (RotaryEmbedding's output for (seq,) positions, or a whole table for positions 0 .. seq - 1)."""
-    bs, seq, heads, head_dim = x.shape
-    # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
-    first, second = x.float().unflatten(-1, (head_dim // 2, 2)).unbind(-1)
-    # Each (bs or 1, seq, 1, head_dim // 2): the same rotation for every head.
+    x's positions (RotaryEmbedding's output for (seq,) positions, or a whole table for positions 0 .. seq - 1).
+
+    Eagerly as a complex product (complex_rotation): on a GPU an upcast, one multiply and a downcast, where the same
+    product written out in reals launches about nine kernels, four of them on stride-2 halves. Under torch.compile
+    in reals (real_rotation): inductor fuses those into one kernel and generates no code for complex ops. Both are
+    the same fp32 products and sums, equal up to the rounding order inside a complex multiply."""
+    seq = x.size(1)
     rows = rope_cache if rope_cache.dim() == 4 else rope_cache[None, :seq]  # (bs or 1, seq, head_dim // 2, 2)
-    cos, sin = rows.unsqueeze(2).unbind(-1)
+    if torch.compiler.is_compiling():
+        return real_rotation(x, rows)
+    return complex_rotation(x, rows)
+
+
+def complex_rotation(x: Tensor, rows: Tensor) -> Tensor:
+    """apply_rotary_emb as a complex product; rows (bs or 1, seq, head_dim // 2, 2)."""
+    # (bs, seq, heads, head_dim // 2) complex: a pair's channels are one number's real and imaginary parts.
+    # contiguous() copies only an fp32 x that is a view with odd strides (a part of a head), which view_as_complex
+    # cannot read; a bf16 x's upcast is a new tensor already.
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    rotation = torch.view_as_complex(rows.float().contiguous()).unsqueeze(2)  # (bs or 1, seq, 1, head_dim // 2)
+    return torch.view_as_real(pairs * rotation).flatten(3).type_as(x)
+
+
+def real_rotation(x: Tensor, rows: Tensor) -> Tensor:
+    """apply_rotary_emb in reals; rows (bs or 1, seq, head_dim // 2, 2)."""
+    # Each (bs, seq, heads, head_dim // 2): the first and second channel of every pair.
+    first, second = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = rows.unsqueeze(2).unbind(-1)  # each (bs or 1, seq, 1, head_dim // 2): the same for every head
     rotated = torch.stack([first * cos - second * sin, first * sin + second * cos], dim=-1)
     return rotated.flatten(3).type_as(x)  # (bs, seq, heads, head_dim // 2, 2) -> (bs, seq, heads, head_dim)
