@@ -44,10 +44,15 @@ LEVERS: dict[str, Lever] = {
 }
 
 
+def unknown_levers(names: Iterable[str]) -> list[str]:
+    """The names among `names` that are no key of LEVERS, sorted."""
+    return sorted(set(names) - set(LEVERS))
+
+
 @contextlib.contextmanager
 def levers_off(names: Iterable[str]) -> Iterator[None]:
     """The levers `names` (keys of LEVERS) off while active."""
-    unknown = sorted(set(names) - set(LEVERS))
+    unknown = unknown_levers(names)
     if unknown:
         raise ValueError(f"no lever {unknown}: the levers are {sorted(LEVERS)}")
     with contextlib.ExitStack() as stack:

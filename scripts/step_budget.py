@@ -37,6 +37,7 @@ import json  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
+from unittest import mock  # noqa: E402
 
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
@@ -95,12 +96,8 @@ def torchtitan_block_kernels(job: BudgetJob, gpu: str) -> list[OpCost]:
             wrapped = SelectiveAC(SelectiveAC.Config())._wrap_block(block, base_fqn="layers.0")
             x = torch.empty(job.local_batch_size, job.seq_len, config.dim, device="cuda", dtype=torch.bfloat16,
                             requires_grad=True)
-            original = FlexAttention._compiled_flex_attn
-            FlexAttention._compiled_flex_attn = compiled_flex
-            try:
+            with mock.patch.object(FlexAttention, "_compiled_flex_attn", compiled_flex):
                 return record_block(lambda: wrapped(x, mask, None))
-            finally:
-                FlexAttention._compiled_flex_attn = original
 
 
 def stored_kernels(job: str) -> tuple[int, list[OpCost]]:

@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from levers import LEVERS, levers_off  # noqa: E402
+from levers import LEVERS, levers_off, unknown_levers  # noqa: E402
 from titan.exits import exit_process  # noqa: E402
 from train import main as train_main  # noqa: E402
 
@@ -24,7 +24,7 @@ def parse(argv: list[str]) -> tuple[list[str], list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--off", required=True, help=f"comma-separated levers: {', '.join(LEVERS)}")
     names = [name for name in parser.parse_args(ours).off.split(",") if name]
-    unknown = sorted(set(names) - set(LEVERS))
+    unknown = unknown_levers(names)
     if unknown:
         parser.error(f"--off names no lever {unknown}: the levers are {', '.join(LEVERS)}")
     return names, train_argv
