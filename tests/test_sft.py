@@ -6,8 +6,10 @@ import copy
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import pytest
 import torch
@@ -65,10 +67,11 @@ def shipped() -> Tokenizer:
     return build_tokenizer(SHIPPED_TOKENIZER)
 
 
-def tokenizer_folder(folder: Path, name: str, shipped: Tokenizer) -> Path:
+def tokenizer_folder(folder: Path, name: str, shipped: Tokenizer, edit: Callable[[dict], None] | None = None
+                     ) -> Path:
     """A Hugging Face tokenizer folder of the shipped tokenizer plus the format's special tokens, with the format's
-    template in its tokenizer_config.json."""
-    template, bos, eos, specials = FORMATS[name]
+    template in its tokenizer_config.json; `edit` changes the tokenizer.json's content first."""
+    template, bos, eos, specials = {**FORMATS, **MORE_FORMATS}[name][:4]
     tokenizer = build_tokenizer_json(shipped)
     known = {token["content"] for token in tokenizer["added_tokens"]}
     for token in specials:
@@ -76,6 +79,8 @@ def tokenizer_folder(folder: Path, name: str, shipped: Tokenizer) -> Path:
             tokenizer["added_tokens"].append({"id": len(tokenizer["model"]["vocab"]) + len(tokenizer["added_tokens"]),
                                               "content": token, "single_word": False, "lstrip": False,
                                               "rstrip": False, "normalized": False, "special": True})
+    if edit is not None:
+        edit(tokenizer)
     config = {**build_tokenizer_config(bos, eos), "chat_template": template.read_text(encoding="utf-8")}
     del config["split_special_tokens"]  # transformers' default: special tokens' strings in the text are those tokens
     folder.mkdir()
@@ -114,6 +119,117 @@ def test_assistant_tokens_equal_transformers_mask(name: str, tmp_path: Path, shi
     assert unmarked_ids == ids and unmarked_roles.tolist() == roles.tolist()
 
 
+def nfc(tokenizer: dict) -> None:
+    tokenizer["normalizer"] = {"type": "NFC"}  # Qwen's
+
+
+def rstrip_specials(tokenizer: dict) -> None:
+    for token in tokenizer["added_tokens"][2:]:  # Phi-3's role and end tokens take in the whitespace after them
+        token["rstrip"] = True
+
+
+def trim_offsets(tokenizer: dict) -> None:  # GPT-2-style files' ByteLevel post-processor
+    tokenizer["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                                   "use_regex": False}
+
+
+# More formats, each (template, bos, eos, special tokens, the headers before an assistant turn, a tokenizer.json
+# setting that changes offsets). The templates in tests/chat_templates are written in each format's style, with
+# {% generation %} blocks from an assistant's own text through its end of turn; without the blocks they render
+# the format's text.
+MORE_FORMATS = {
+    "phi3": (TEMPLATES / "phi3.jinja", None, "<|endoftext|>",
+             ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], ["<|assistant|>"],
+             rstrip_specials),
+    "command_r": (TEMPLATES / "command_r.jinja", "<BOS_TOKEN>", "<|END_OF_TURN_TOKEN|>",
+                  ["<BOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>", "<|USER_TOKEN|>",
+                   "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>"], ["<|CHATBOT_TOKEN|>"], None),
+    "llama2": (TEMPLATES / "llama2.jinja", "<s>", "</s>", ["<s>", "</s>"], ["[/INST]"], None),
+    "zephyr": (TEMPLATES / "zephyr.jinja", None, "</s>", ["</s>"], ["<|assistant|>"], trim_offsets),
+    "vicuna": (TEMPLATES / "vicuna.jinja", None, "</s>", ["</s>"], ["ASSISTANT:"], None),
+    "granite": (TEMPLATES / "granite.jinja", None, "<|end_of_text|>",
+                ["<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"], ["assistant<|end_of_role|>"], None),
+    "mistral_v3": (TEMPLATES / "mistral_v3.jinja", "<s>", "</s>",
+                   ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+                   ["[/INST]", "[/TOOL_RESULTS]"], None),
+    "llama31": (TEMPLATES / "llama31.jinja", "<|begin_of_text|>", "<|end_of_text|>",
+                ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], ["assistant<|end_header_id|>"], None),
+    "qwen3": (TEMPLATES / "qwen3.jinja", None, "<|im_end|>", ["<|im_start|>", "<|im_end|>"], ["<|im_start|>assistant"],
+              nfc),
+    "multiblock": (TEMPLATES / "multiblock.jinja", None, "<|im_end|>", ["<|im_start|>", "<|im_end|>", "<|im_sep|>"],
+                   ["<|im_start|>assistant"], nfc),
+}
+TOOL_CALL = {"type": "function", "id": "abcdefghi", "function": {"name": "gcd", "arguments": {"a": 12, "b": 18}}}
+CONVERSATIONS = {
+    # System and tool turns, a tool call with empty content, an answer that starts with a combining accent (NFC
+    # composes nothing there; the accent's span edge straddles no cluster), special-token text inside content.
+    "tools": [
+        {"role": "system", "content": "You answer questions about Python's standard library."},
+        {"role": "user", "content": "What does `math.gcd` return for 12 and 18? Say </s> or <|im_end|> if unsure."},
+        {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]},
+        {"role": "tool", "content": "{\"gcd\": 6}", "tool_call_id": "abcdefghi"},
+        {"role": "assistant", "content": "\u0301 It returns 6 \u2014 cafe\u0301, e\u0301te\u0301 \u2713.  "},
+    ],
+    "assistant_first": [
+        {"role": "assistant", "content": "Hello! Ask me about `itertools`."},
+        {"role": "user", "content": "What does chain do?"},
+        {"role": "assistant", "content": "It joins iterables one after another."},
+    ],
+    # Qwen3-style reasoning: kept after the last user turn only; a long last answer.
+    "reasoning": [
+        {"role": "user", "content": "Is 7 prime?"},
+        {"role": "assistant", "content": "<think>\nIt has no divisor but 1 and 7.\n</think>\n\nYes."},
+        {"role": "user", "content": "And 91?"},
+        {"role": "assistant", "content": "<think>\n91 = 7 * 13.\n</think>\n\nNo: " + "it is 7 times 13. " * 40},
+    ],
+}
+
+
+def assistant_masks(folder: Path, messages: list[dict]) -> tuple[list[int], list[int]] | None:
+    """transformers' ids and assistant mask for `messages` rendered by the folder's template; None where the
+    template refuses the conversation."""
+    try:
+        reference = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    except jinja2.exceptions.TemplateError:
+        return None
+    return reference["input_ids"], reference["assistant_masks"]
+
+
+@pytest.mark.parametrize("name", MORE_FORMATS)
+def test_masks_equal_transformers_on_more_formats(name: str, tmp_path: Path, shipped: Tokenizer) -> None:
+    """On each format and conversation that transformers renders, Titan's ids and assistant tokens equal
+    transformers' mask on the template annotated with generation blocks, both from the blocks and, on the template
+    without them, from markers; the last assistant message's tokens are those of the mask from its turn on (all of
+    its blocks). A conversation the template refuses is an error naming the row."""
+    *_, headers, edit = MORE_FORMATS[name]
+    folder = tokenizer_folder(tmp_path / name, name, shipped, edit)
+    tokenizer = build_tokenizer(str(folder / "tokenizer.json"))
+    marked = load_chat_template("", tokenizer)
+    unmarked = ChatTemplate(GENERATION_TAGS.sub("", marked.source), "unmarked", marked.special_tokens)
+    rendered = 0
+    for conversation, messages in CONVERSATIONS.items():
+        reference = assistant_masks(folder, messages)
+        if reference is None:
+            with pytest.raises(ConfigError, match="failed on this conversation"):
+                titan_encoding(unmarked, tokenizer, messages)
+            continue
+        rendered += 1
+        ids, mask = reference
+        text, _ = marked.render(messages)
+        assert unmarked.render(messages)[0] == text
+        _, offsets = tokenizer.encode_rendered(text)
+        last_turn = max(text.rfind(header) for header in headers)
+        last = [bool(trains) and start >= last_turn for trains, (start, _) in zip(mask, offsets, strict=True)]
+        # Without its blocks, nothing says that multiblock's separator between an answer's blocks is not the answer's.
+        for template in (marked,) if name == "multiblock" else (marked, unmarked):
+            got_ids, roles = titan_encoding(template, tokenizer, messages)
+            assert got_ids == ids, (conversation, template.origin)
+            assert (roles != CONTEXT).astype(int).tolist() == mask, (conversation, template.origin)
+            assert (roles == LAST_ASSISTANT).tolist() == last, (conversation, template.origin)
+    assert rendered >= 1  # Llama 2 refuses tool turns and a conversation that starts with the assistant
+
+
 HIDING = ("{{ bos_token }}{% for m in messages %}{% if m['role'] != 'assistant' %}{{ m['role'] + ': ' + m['content'] "
           "+ '\\n' }}{% endif %}{% endfor %}")
 
@@ -129,6 +245,32 @@ def test_a_template_that_hides_the_assistant_is_an_error(marked: bool, tmp_path:
     with pytest.raises(ConfigError, match=r"test conversation: the chat template, --chat.template_path '.*hiding"
                                           r"\.jinja', hides the assistant's turns.*--chat\.template_path"):
         titan_encoding(template, shipped, CONVERSATION)
+
+
+def test_a_template_that_writes_an_answer_twice_is_an_error(tmp_path: Path, shipped: Tokenizer) -> None:
+    """Neither a marker (found twice) nor the renderings up to a message (not prefixes of the whole) show which
+    copy of the last answer is the turn when the template repeats it: an error naming the template and the message,
+    not a guess."""
+    path = tmp_path / "recap.jinja"
+    path.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+                    "{{ 'Recap: ' + messages[-1]['content'] }}")
+    with pytest.raises(ConfigError, match=r"recap\.jinja', renders this conversation in a way Titan cannot "
+                                          r"follow: it could not find assistant message \d"):
+        titan_encoding(load_chat_template(str(path), shipped), shipped, CONVERSATION)
+
+
+def test_a_store_whose_roles_were_found_the_old_way_is_not_reused(tmp_path: Path, shipped: Tokenizer) -> None:
+    """A prepared chat store records how its roles were found; one made by the prefix method, which lost answers on
+    some templates, is refused with what to do."""
+    out = tmp_path / "chats"
+    assert prepare_main(["--dataset", "chat", "--dataset_path", str(SHIPPED_CHATS), "--out", str(out)]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["source"]["chat"]["method"] == "generation blocks, turns by markers, v2"
+    meta["source"]["chat"]["method"] = "generation blocks"
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError, match=r"roles were found by an older method \('generation blocks'\).*Prepare "
+                                          r"it again"):
+        build_stream(shipped, Training(dataset="prepared", dataset_path=str(out), seq_len=64))
 
 
 def test_bad_rows_and_templates_say_what_to_fix(tmp_path: Path, shipped: Tokenizer) -> None:

@@ -7,6 +7,7 @@ Face export carries the files unchanged."""
 import functools
 import json
 import logging
+import random
 import shutil
 import unicodedata
 from pathlib import Path
@@ -213,6 +214,39 @@ def test_nfc_before_encoding(qwen_path: Path, gpt2_path: Path) -> None:
     assert qwen.encode(decomposed, bos=False, eos=False) == qwen.encode(composed, bos=False, eos=False)
     gpt2 = build_tokenizer(str(gpt2_path))  # no normalizer: the combining marks stay
     assert gpt2.encode(decomposed, bos=False, eos=False) != gpt2.encode(composed, bos=False, eos=False)
+
+
+# Characters a rendered chat template's offsets must follow: combining marks NFC composes, reorders or splits off,
+# Hangul jamo, spaces that trim_offsets and lstrip/rstrip act on, special tokens' strings.
+OFFSET_PIECES = ["a", "e", "x", " ", "  ", "\n", "\t", "\u00a0", "\u3000", "\u0301", "\u0323", "\u0344", "\u0958",
+                 "\u1100", "\u1161", "\u11a8", "caf\u00e9", "cafe\u0301", " It", "\u2713", "12", "!!", "\U0001f999",
+                 *QWEN_SPECIAL[1:3]]
+
+
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
+def test_rendered_offsets_match_tokenizers(style: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """encode_rendered's ids and (start, end) characters are the `tokenizers` library's (which transformers'
+    assistant mask reads): NFC's alignments (Qwen's normalizer; `e` + U+0301 is the `e` alone), trim_offsets (the
+    GPT-2 and DeepSeek styles' ByteLevel post-processor: a space-only token gets an empty span), and added tokens
+    that take in the whitespace beside them (lstrip, rstrip, both), on random mixes of such characters."""
+    def strip_settings(content: dict) -> None:
+        for number, token in enumerate(content["added_tokens"]):
+            token["lstrip"], token["rstrip"] = number % 3 != 1, number % 3 != 0
+        if style == "deepseek":
+            content["added_tokens"] += [dict(content["added_tokens"][-1], id=content["added_tokens"][-1]["id"] + 1 + i,
+                                             content=name) for i, name in enumerate(QWEN_SPECIAL[1:3])]
+    original = request.getfixturevalue(f"{style}_path")
+    path = edited(original, tmp_path, strip_settings)
+    if (original.parent / "tokenizer_config.json").is_file():
+        shutil.copy(original.parent / "tokenizer_config.json", tmp_path)
+    reference = tokenizers.Tokenizer.from_file(str(path))
+    titan = build_tokenizer(str(path))
+    rng = random.Random(style)
+    texts = ["Caf\u00e9 cafe\u0301 <|im_end|>  \n x", *("".join(rng.choice(OFFSET_PIECES) for _ in range(12))
+                                                           for _ in range(300))]
+    for text in texts:
+        expected = reference.encode(text, add_special_tokens=False)
+        assert titan.encode_rendered(text) == (expected.ids, expected.offsets), text
 
 
 # Special tokens, BOS and EOS

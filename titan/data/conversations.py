@@ -8,11 +8,10 @@ folder or a glob) or a Hugging Face dataset folder.
 
 A conversation is stored as the template renders it, token for token what transformers' apply_chat_template gives,
 as one document. Its tokens' roles: 0 for what the model reads (system, user and tool turns, the template's headers),
-1 for an assistant turn's tokens, 2 for the last assistant turn's. They come from the template's `{% generation %}`
-blocks, the tokens that overlap one (transformers' return_assistant_tokens_mask); a template without them is rendered
-once per assistant message, up to the message before it (with the generation prompt) and up to the message itself,
-and the message's tokens are what the second adds to the first. A conversation with assistant messages whose
-assistant tokens neither finds is an error: training on it would train on the prompts, silently.
+1 for an assistant message's tokens, 2 for the last assistant message's. Each message's characters come from the
+template's `{% generation %}` blocks, else from markers (titan/data/turns.py); its tokens are those transformers'
+return_assistant_tokens_mask gives for those characters (token_roles). A conversation whose assistant messages
+cannot be found, or have no token, is an error: training on it would train on the prompts, silently.
 """
 
 from collections.abc import Iterator
@@ -27,8 +26,9 @@ from titan.config.errors import ConfigError
 from titan.config.paths import resolve_path
 from titan.data.chat_template import ChatTemplate
 from titan.data.dataset import find_files, hf_folder_files, read_jsonl_records, stream_hf_dataset, wanted_in_folder
-from titan.data.store import CHUNK_CHARS, EncodedChunk, SourceDescription
+from titan.data.store import CHUNK_CHARS, EncodedChunk, SourceDescription, TokenStore
 from titan.data.tokenizer import Tokenizer
+from titan.data.turns import METHOD, Span, TurnFinder, TurnNotFound, block_spans, marked_spans
 from titan.metrics.log import logger
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -66,34 +66,30 @@ def checked_messages(row: Row, messages_field: str) -> list[dict[str, Any]]:
     return messages
 
 
-def prefix_spans(template: ChatTemplate, messages: list[dict[str, Any]], text: str) -> list[tuple[int, int]]:
-    """The (start, end) characters of each assistant message in `text` (all of `messages` rendered), found by
-    rendering the conversation up to the message and up to the one before it. A message whose renderings are not
-    prefixes of one another (a template that rewrites earlier turns) gives none."""
-    spans = []
-    for index, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        upto, _ = template.render(messages[: index + 1])
-        if not text.startswith(upto):
-            continue
-        for add_generation_prompt in (True, False):
-            before, _ = template.render(messages[:index], add_generation_prompt=add_generation_prompt)
-            if upto.startswith(before):
-                spans.append((len(before), len(upto)))
-                break
-    return spans
-
-
-def token_roles(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
-    """Each token's role: ASSISTANT where its characters overlap a span (transformers' rule for the assistant mask),
-    LAST_ASSISTANT for the last span's tokens, CONTEXT elsewhere."""
+def token_roles(offsets: list[tuple[int, int]], messages_spans: list[list[Span]]) -> np.ndarray:
+    """Each token's role, from each assistant message's (start, end) character spans: ASSISTANT for the tokens of a
+    span, LAST_ASSISTANT for those of the last message's spans, CONTEXT elsewhere. A span's tokens run from the
+    token of its first character to the token of its last, as transformers' return_assistant_tokens_mask takes
+    them (char_to_token, the first token whose offsets hold the character). Where no token holds an end character
+    (offsets trimmed of spaces, an accent NFC composed away) transformers drops the span and every later one, or
+    marks the rest of the conversation; here the span's first and last characters that a token holds stand in."""
+    roles = np.full(len(offsets), CONTEXT, dtype=np.uint8)
+    if not offsets:
+        return roles
     starts = np.fromiter((start for start, _ in offsets), dtype=np.int64, count=len(offsets))
     ends = np.fromiter((end for _, end in offsets), dtype=np.int64, count=len(offsets))
-    roles = np.full(len(offsets), CONTEXT, dtype=np.uint8)
-    for number, (span_start, span_end) in enumerate(spans):
-        inside = (ends > span_start) & (starts < span_end)
-        roles[inside] = LAST_ASSISTANT if number == len(spans) - 1 else ASSISTANT
+    num_chars = int(ends.max())
+    # The first token whose end lies past each character; it holds the character when it starts at or before it.
+    # Offsets never go back, so no later token can hold a character that this one does not.
+    characters = np.arange(num_chars)
+    holder = np.searchsorted(np.maximum.accumulate(ends), characters, side="right")
+    held = starts[np.minimum(holder, len(offsets) - 1)] <= characters
+    for number, spans in enumerate(messages_spans):
+        role = LAST_ASSISTANT if number == len(messages_spans) - 1 else ASSISTANT
+        for span_start, span_end in spans:
+            inside = np.flatnonzero(held[span_start:min(span_end, num_chars)])
+            if len(inside):
+                roles[holder[span_start + inside[0]] : holder[span_start + inside[-1]] + 1] = role
     return roles
 
 
@@ -113,23 +109,44 @@ class ConversationEncoder:
         if not any(message["role"] == "assistant" for message in messages):
             return None
         try:
-            text, spans = self.template.render(messages)
-            if not self.template.has_generation_markers:
-                spans = prefix_spans(self.template, messages, text)
+            text, blocks = self.template.render(messages)
         except jinja2.exceptions.TemplateError as err:
             raise ConfigError(f"{row.where}: the chat template, {self.template.origin}, failed on this conversation: "
                               f"{err}. Fix the row or give another template with --chat.template_path.") from None
+        finder = TurnFinder(self.template, messages, text, self.tokenizer.cut_before_special_token)
+        try:
+            spans = block_spans(finder, blocks) if self.template.has_generation_markers else marked_spans(finder)
+        except TurnNotFound as err:
+            raise ConfigError(f"{row.where}: the chat template, {self.template.origin}, renders this conversation in "
+                              f"a way Titan cannot follow: it could not find {err}. The template rewrites or "
+                              f"reorders that message's text. Give a template with {{% generation %}} blocks around "
+                              f"each assistant turn with --chat.template_path (docs/sft.md).") from None
         ids, offsets = self.tokenizer.encode_rendered(text)
         roles = token_roles(offsets, spans)
         if not roles.any():
             method = ("its {% generation %} blocks mark none of them" if self.template.has_generation_markers else
-                      "it has no {% generation %} blocks, and rendering the conversation message by message finds "
-                      "none of them either")
+                      "it has no {% generation %} blocks, and the assistant messages' text is not in its rendering")
             raise ConfigError(f"{row.where}: the chat template, {self.template.origin}, hides the assistant's turns: "
                               f"{method}. Training on this conversation would train on its prompts. Give a template "
                               f"that renders every assistant message with --chat.template_path, ideally with "
                               f"{{% generation %}} blocks around each assistant turn (docs/sft.md).")
         return ids, roles, len(text)
+
+
+def roles_method(template: ChatTemplate) -> str:
+    """How a store's roles were found, as its recipe records it (titan/data/turns.py's METHOD names the version)."""
+    return f"{'generation blocks' if template.has_generation_markers else 'markers'}, {METHOD}"
+
+
+def check_roles_method(store: TokenStore) -> None:
+    """A prepared chat store must have found its roles the way Titan finds them now: stores made before
+    titan/data/turns.py lost answers and trained the wrong tokens on some templates (docs/sft.md)."""
+    recipe = store.meta["source"].get("chat")
+    if store.roles is not None and (recipe is None or not str(recipe.get("method", "")).endswith(METHOD)):
+        method = None if recipe is None else recipe.get("method")
+        raise ConfigError(f"Token store {store.path}: its conversations' roles were found by an older method "
+                          f"({method!r}), which loses or misplaces the answers of some templates. Prepare it again "
+                          f"with `python -m titan.data.prepare`.")
 
 
 def read_jsonl_rows(path: Path, messages_field: str, origin: str) -> Iterator[Row]:
@@ -156,8 +173,7 @@ class ConversationSource:
         files = hf_folder_files(dataset_path) if self.hf else tuple(find_files(dataset_path, "jsonl", path_flag))
         template = encoder.template
         recipe = {"template_sha256": template.fingerprint, "template": template.origin,
-                  "messages_field": encoder.messages_field,
-                  "method": "generation blocks" if template.has_generation_markers else "prefixes"}
+                  "messages_field": encoder.messages_field, "method": roles_method(template)}
         self.description = SourceDescription("chat", dataset_path, "all", files, recipe)
 
     def rows(self) -> Iterator[Row]:

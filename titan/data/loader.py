@@ -26,7 +26,7 @@ from titan.config.paths import resolve_path
 from titan.config.validate import hub_dataset_problem
 from titan.data.cache import cache_dir, cached_store
 from titan.data.chat_template import load_chat_template
-from titan.data.conversations import ConversationEncoder, ConversationSource
+from titan.data.conversations import ConversationEncoder, ConversationSource, check_roles_method
 from titan.data.dataset import build_document_source
 from titan.data.packing import build_source_windows
 from titan.data.store import StoreSource, TokenStore, open_store, source_changes
@@ -163,6 +163,7 @@ def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, c
     if dataset == "prepared":
         assert dataset_path is not None, "config/validate.py requires a dataset path here"
         store = open_store(resolve_path(dataset_path), tokenizer)
+        check_roles_method(store)
         changed = source_changes(store.meta)
         if changed:
             raise ConfigError(f"Token store {store.path}: its source changed since it was prepared "

@@ -98,8 +98,9 @@ def file_sha256(path: Path) -> str:
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """A SHA-256 of everything that decides the tokenizer's ids: the same tokenizer in any file has the same one.
     A tiktoken file's ranks and special tokens decide them (its regex, BOS and EOS are fixed); a tokenizer.json
-    also sets the regex, the NFC normalizer, BOS and EOS. Those are hashed for tokenizer.json files only, so that
-    the fingerprints of tiktoken tokenizers, in existing stores and checkpoints, stay what they were."""
+    also sets the regex, the NFC normalizer, BOS and EOS, and, for rendered chat templates, the whitespace its added
+    tokens take in and the offsets it trims (which decide the roles). Those are hashed for tokenizer.json files
+    only, so that the fingerprints of tiktoken tokenizers, in existing stores and checkpoints, stay what they were."""
     digest = hashlib.sha256()
     for token, rank in sorted(tokenizer.mergeable_ranks.items(), key=lambda item: item[1]):
         digest.update(rank.to_bytes(4, "little") + len(token).to_bytes(2, "little") + token)
@@ -109,6 +110,10 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
                  "bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id}
         if tokenizer.hf_json.isolating_splits:  # only where there are some: other files' fingerprints stay
             rules["isolating_splits"] = list(tokenizer.hf_json.isolating_splits)
+        if tokenizer.hf_json.stripping_tokens:
+            rules["stripping_tokens"] = tokenizer.hf_json.stripping_tokens
+        if tokenizer.hf_json.trim_offsets is not None:
+            rules["trim_offsets"] = {"add_prefix_space": tokenizer.hf_json.trim_offsets.add_prefix_space}
         digest.update(json.dumps(rules, sort_keys=True).encode())
     return digest.hexdigest()
 

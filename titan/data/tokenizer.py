@@ -35,6 +35,9 @@ MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 _RUN = re.compile(r"\s+|\S+")
 WHOLE_PIECE = r"[\s\S]+"
+# What Rust's char::is_whitespace, str::trim_start and str::trim_end take for whitespace, which tokenizers uses for
+# lstrip, rstrip and trim_offsets: Unicode's White_Space property (Python's str.isspace also takes U+001C-U+001F).
+WHITE_SPACE = "\t\n\v\f\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B))) + "\u2028\u2029\u202f\u205f\u3000"
 """tiktoken's regex where the pieces are cut before it: each piece one match."""
 
 TIKTOKEN_FORMAT = "one `<base64 token bytes> <rank>` pair per line, ranks 0..N-1 (like Llama 3's tokenizer.model)"
@@ -103,19 +106,51 @@ class Tokenizer:
         return self._encoding.decode(ids)
 
     def encode_rendered(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
-        """The ids of a rendered chat template, and each one's (start, end) characters in `text`. Unlike encode, the
-        special tokens' strings in `text` are those tokens, as transformers' apply_chat_template encodes them
-        (the template writes them as strings); what lies between them is encoded as encode encodes text."""
+        """The ids of a rendered chat template, and each one's (start, end) characters in `text`, as the `tokenizers`
+        library gives them to transformers' apply_chat_template. Unlike encode, the special tokens' strings in
+        `text` are those tokens (the template writes them as strings), each taking in the whitespace beside it
+        where tokenizer.json's lstrip or rstrip says so; what lies between them is encoded as encode encodes
+        text."""
         ids: list[int] = []
         offsets: list[tuple[int, int]] = []
+        special: list[int] = []
         start = 0
-        for match in self._special_pattern.finditer(text):
-            self._extend_ordinary(text[start:match.start()], start, ids, offsets)
-            ids.append(self.special_tokens[match.group()])
-            offsets.append((match.start(), match.end()))
-            start = match.end()
+        for token_start, token_end, name in self._special_matches(text):
+            self._extend_ordinary(text[start:token_start], start, ids, offsets)
+            special.append(len(ids))
+            ids.append(self.special_tokens[name])
+            offsets.append((token_start, token_end))
+            start = token_end
         self._extend_ordinary(text[start:], start, ids, offsets)
+        trim = self.hf_json.trim_offsets if self.hf_json is not None else None
+        if trim is not None:
+            offsets = trimmed_offsets(text, offsets, set(special), trim.add_prefix_space)
         return ids, offsets
+
+    def _special_matches(self, text: str) -> Iterator[tuple[int, int, str]]:
+        """(start, end, name) of each special token in `text`, in order: its string, widened over the whitespace
+        before it (lstrip) or after it (rstrip) as tokenizer.json sets, never into the previous match."""
+        stripping = self.hf_json.stripping_tokens if self.hf_json is not None else {}
+        previous_end = 0
+        for match in self._special_pattern.finditer(text):
+            if match.start() < previous_end:  # inside the whitespace an rstrip token took in
+                continue
+            start, end = match.span()
+            lstrip, rstrip = stripping.get(match.group(), (False, False))
+            while lstrip and start > previous_end and text[start - 1] in WHITE_SPACE:
+                start -= 1
+            while rstrip and end < len(text) and text[end] in WHITE_SPACE:
+                end += 1
+            previous_end = end
+            yield start, end, match.group()
+
+    def cut_before_special_token(self, text: str, end: int) -> int:
+        """`end`, or the start of the special token's string in `text` that `end` falls inside of."""
+        longest = max(map(len, self.special_tokens))
+        for match in self._special_pattern.finditer(text, 0, end + longest):
+            if match.start() < end < match.end():
+                return match.start()
+        return end
 
     @functools.cached_property
     def _special_pattern(self) -> "re.Pattern[str]":
@@ -131,7 +166,7 @@ class Tokenizer:
             return
         text_ids = self.encode(text, bos=False, eos=False)
         nfc = self.hf_json is not None and self.hf_json.nfc
-        normalized, origins = nfc_origins(text) if nfc else (text, None)
+        normalized, origins = nfc_alignments(text) if nfc else (text, None)
         starts, ends = token_char_spans(self.token_byte_lengths[text_ids], normalized)
         if origins is not None:  # characters of the NFC text back to those of `text`
             starts, ends = origins[0][starts], origins[1][ends - 1]
@@ -160,24 +195,83 @@ def token_char_spans(byte_lengths: np.ndarray, text: str) -> tuple[np.ndarray, n
     return char_of_byte[token_ends - byte_lengths], char_of_byte[token_ends - 1] + 1
 
 
-def nfc_origins(text: str) -> tuple[str, tuple[np.ndarray, np.ndarray] | None]:
+def nfc_alignments(text: str) -> tuple[str, tuple[np.ndarray, np.ndarray] | None]:
     """`text` in NFC and, when that changes it, the (start, end) characters of `text` each of its characters comes
-    from: the grapheme cluster it was composed from (NFC composes within one), or all of `text` where composing the
-    clusters one by one would give another text."""
+    from, as the `tokenizers` library aligns them: NFC decomposes each character and composes the result again; a
+    composed character comes from the character its first part came from, alone (`é` from `e` + U+0301 is the `e`;
+    the accent then belongs to no token), and the further parts of a decomposition from the character decomposed.
+    Composition walks the characters by position, so a character of the reordered marks takes the place of the mark
+    that was there (tokenizers' unicode-normalization-alignments does the same)."""
     normalized = unicodedata.normalize("NFC", text)
     if normalized == text:
         return text, None
-    starts: list[int] = []
-    ends: list[int] = []
-    pieces = []
-    for cluster in regex.finditer(r"\X", text):
-        piece = unicodedata.normalize("NFC", cluster.group())
-        pieces.append(piece)
-        starts.extend([cluster.start()] * len(piece))
-        ends.extend([cluster.end()] * len(piece))
-    if "".join(pieces) != normalized:
-        return normalized, (np.zeros(len(normalized), dtype=np.int64), np.full(len(normalized), len(text)))
-    return normalized, (np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))
+    decomposed = []  # [character, how many characters of `text` it stands for: 1 for a first part, else 0]
+    for character in text:
+        parts = unicodedata.normalize("NFD", character)
+        decomposed.append([parts[0], 1])
+        decomposed.extend([part, 0] for part in parts[1:])
+    reorder_marks(decomposed)
+    composed = compose(decomposed)
+    assert "".join(character for character, _ in composed) == normalized, "NFC by parts must equal NFC"
+    starts = np.empty(len(composed), dtype=np.int64)
+    position = 0
+    for index, (_, count) in enumerate(composed):
+        starts[index] = position if count else max(position - 1, 0)
+        position += count
+    return normalized, (starts, starts + 1)
+
+
+def reorder_marks(parts: list[list]) -> None:
+    """Canonical ordering: each run of combining marks sorted, stably, by combining class, each mark with its
+    count."""
+    index = 0
+    while index < len(parts):
+        end = index
+        while end < len(parts) and unicodedata.combining(parts[end][0]):
+            end += 1
+        if end > index:
+            parts[index:end] = sorted(parts[index:end], key=lambda part: unicodedata.combining(part[0]))
+        index = end + 1
+
+
+def compose(parts: list[list]) -> list[list]:
+    """Canonical composition: a part that composes with the last starter, unblocked, joins it, adding its count."""
+    composed: list[list] = []
+    starter = None
+    last_class = None  # combining class of the last part kept after the starter, None right after it
+    for character, count in parts:
+        combining_class = unicodedata.combining(character)
+        if starter is not None and (last_class is None or 0 < last_class < combining_class):
+            joined = unicodedata.normalize("NFC", composed[starter][0] + character)
+            if len(joined) == 1:
+                composed[starter] = [joined, composed[starter][1] + count]
+                continue
+        if combining_class == 0:
+            starter, last_class = len(composed), None
+        else:
+            last_class = combining_class
+        composed.append([character, count])
+    return composed
+
+
+def trimmed_offsets(text: str, offsets: list[tuple[int, int]], special: set[int], add_prefix_space: bool
+                    ) -> list[tuple[int, int]]:
+    """`offsets` of the tokens of `text` as a ByteLevel post-processor with trim_offsets leaves them (TrimOffsets).
+    It counts the spaces at a token's edges in the token's string: the byte-level string of an ordinary token, in
+    which only a space is whitespace, and the matched text of a special token (indices in `special`), whitespace
+    that lstrip or rstrip took in among it."""
+    trimmed = []
+    for index, (start, end) in enumerate(offsets):
+        piece = text[start:end]
+        spaces = WHITE_SPACE if index in special else " "
+        leading = len(piece) - len(piece.lstrip(spaces))
+        trailing = len(piece) - len(piece.rstrip(spaces))
+        if leading and not ((index == 0 or start == 0) and add_prefix_space and leading == 1):
+            start = min(start + leading, end)
+        if trailing and end >= trailing:
+            end = max(end - trailing, start)
+        trimmed.append((start, end))
+    return trimmed
 
 
 def isolated_pieces(text: str, splits: list[regex.Pattern]) -> list[str]:

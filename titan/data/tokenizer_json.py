@@ -16,7 +16,7 @@ bytes. tests/test_tokenizer_json.py compares ids with the `tokenizers` library o
 """
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,15 @@ END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 SUPPORTED = ("Titan reads byte-level BPE tokenizer.json files (the GPT-2, Llama 3, Qwen2, Qwen3 and DeepSeek-V3 kind: "
              "model BPE, a ByteLevel pre-tokenizer and decoder, optionally Split regexes before it and an NFC "
              "normalizer) and tiktoken files")
+
+
+@dataclass(frozen=True)
+class TrimOffsets:
+    """A ByteLevel post-processor with trim_offsets: each token's (start, end) characters leave out the spaces at
+    its edges (a space-only token gets an empty span), except, with add_prefix_space, the one space that
+    add_prefix_space would have put before the first token."""
+
+    add_prefix_space: bool
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,11 @@ class TokenizerJson:
     isolating_splits: tuple[str, ...] = ()
     """Regexes that cut text before split_pattern, one after the other, each match a piece of its own and the text
     between too (DeepSeek-V3's: digits in threes, then CJK runs)."""
+    stripping_tokens: dict[str, tuple[bool, bool]] = field(default_factory=dict)
+    """Added tokens that take in the whitespace beside them, by content: (lstrip, rstrip). A rendered chat template
+    then has no whitespace token there (Phi-3's <|end|> and <|assistant|> set rstrip)."""
+    trim_offsets: TrimOffsets | None = None
+    """The ByteLevel post-processor's trim_offsets, when set: offsets leave out a token's edge spaces."""
 
 
 def byte_level_table() -> dict[int, str]:
@@ -97,9 +111,12 @@ def read_tokenizer_json(resolved: Path, content: bytes, given: str) -> tuple[dic
     if (tokenizer.get("decoder") or {}).get("type") != "ByteLevel":
         raise json_error(given, f"has a {describe(tokenizer.get('decoder'))} decoder, not ByteLevel")
     try:
-        special_tokens = {token["content"]: token["id"] for token in tokenizer.get("added_tokens", [])}
+        added_tokens = tokenizer.get("added_tokens", [])
+        special_tokens = {token["content"]: token["id"] for token in added_tokens}
     except (KeyError, TypeError):
         raise json_error(given, "has an added_tokens entry without content and id") from None
+    stripping_tokens = {token["content"]: (bool(token.get("lstrip")), bool(token.get("rstrip")))
+                        for token in added_tokens if token.get("lstrip") or token.get("rstrip")}
     ranks = read_ranks(model, special_tokens, given)
     config: dict[str, Any] = {}
     files = {"tokenizer.json": content}
@@ -107,7 +124,8 @@ def read_tokenizer_json(resolved: Path, content: bytes, given: str) -> tuple[dic
     if config_path.is_file():
         config, files[TOKENIZER_CONFIG_FILE] = read_tokenizer_config(config_path, given)
     bos_id, eos_id = read_bos_eos(config, special_tokens, given)
-    return ranks, TokenizerJson(special_tokens, split_pattern, nfc, bos_id, eos_id, files, tuple(isolating_splits))
+    return ranks, TokenizerJson(special_tokens, split_pattern, nfc, bos_id, eos_id, files, tuple(isolating_splits),
+                                stripping_tokens, read_trim_offsets(tokenizer.get("post_processor")))
 
 
 def describe(component: Any) -> str:
@@ -156,6 +174,18 @@ def read_split_patterns(pre_tokenizer: dict[str, Any] | None, given: str) -> lis
                                     f"{split.get('behavior')!r} and invert {split.get('invert')!r}; only a Regex with "
                                     f"behavior Isolated and invert false cuts text as tiktoken does")
     return [split["pattern"]["Regex"] for split in splits]
+
+
+def read_trim_offsets(post_processor: dict[str, Any] | None) -> TrimOffsets | None:
+    """The trim_offsets of a ByteLevel post-processor, alone or in a Sequence (Llama 3's files put one before their
+    TemplateProcessing). Other post-processors add special tokens, which Titan's chat rendering does not ask for
+    (transformers' apply_chat_template encodes without them), and leave offsets as they are."""
+    steps = [] if post_processor is None else (post_processor.get("processors", []) if post_processor.get("type") ==
+                                               "Sequence" else [post_processor])
+    for step in steps:
+        if step.get("type") == "ByteLevel" and step.get("trim_offsets"):
+            return TrimOffsets(bool(step.get("add_prefix_space")))
+    return None
 
 
 def read_normalizer(normalizer: dict[str, Any] | None, given: str) -> bool:
