@@ -5,8 +5,7 @@ import os
 import sys
 
 from titan.config.check import load_job_config
-from titan.config.print_config import print_config
-from titan.dry_run import dry_run
+from titan.dry_run import print_or_dry_run
 from titan.exits import exit_process, run_main
 from titan.metrics.log import current_rank, init_logger
 from titan.parallel.dims import destroy_distributed
@@ -17,15 +16,8 @@ def train(argv: list[str]) -> None:
     init_logger()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_job_config(argv, world_size)
-    if cfg.job.print_config:
-        if current_rank() == 0:
-            print_config(cfg, world_size)
-        return
-    if cfg.job.dry_run:
-        # Under torchrun each process simulates its own rank (run_train.sh simulates rank 0 and the last itself).
-        dry_run(cfg, world_size, ranks=[current_rank()])
-        return
-    Trainer(cfg, world_size).run()
+    if not print_or_dry_run(cfg, world_size, rank=current_rank()):
+        Trainer(cfg, world_size).run()
 
 
 def main(argv: list[str]) -> int:

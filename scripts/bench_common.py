@@ -1,13 +1,15 @@
-"""Helpers shared by the benchmark scripts: Llama shapes, fwd+bwd timing, peak tensor memory, and short training
-runs."""
+"""Helpers shared by the benchmark scripts: Llama shapes, fwd+bwd timing (of single linears against their
+low-precision versions, too), peak tensor memory, and short training runs."""
 
+import argparse
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,6 +57,36 @@ def time_fwd_bwd(module: torch.nn.Module, x: torch.Tensor, repeats: int) -> floa
     """Median seconds of one forward + backward."""
     grad = torch.randn(x.shape[0], module.out_features, device=x.device, dtype=x.dtype)
     return median_seconds(lambda: module(x.detach().requires_grad_()).backward(grad), repeats, x.device)
+
+
+def high_precision() -> tuple[torch.device, torch.dtype]:
+    """The device to benchmark on and its high-precision dtype: bf16 on a GPU, fp32 on a CPU (CPUs have no fast bf16
+    matmul)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda"), torch.bfloat16
+    return torch.device("cpu"), torch.float32
+
+
+def add_linears_options(parser: argparse.ArgumentParser) -> None:
+    """--linears and the options it takes besides --repeats, for a script that times linear_seconds."""
+    parser.add_argument("--linears", action="store_true", help="per-shape linear fwd+bwd time")
+    parser.add_argument("--tokens", type=int, default=8192 if torch.cuda.is_available() else 256,
+                        help="rows of x for --linears")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the modules in --linears")
+
+
+def linear_seconds(tokens: int, repeats: int, compile_modules: bool,
+                   convert: Callable[[nn.Linear], list[nn.Module]]) -> Iterator[tuple[str, int, int, list[float]]]:
+    """For each linear of a Llama 3 8B block: its name, in and out features, and the median fwd+bwd seconds on `tokens`
+    rows of a high-precision nn.Linear and then of each low-precision module that `convert` makes from it."""
+    device, dtype = high_precision()
+    for name, in_features, out_features in llama_8b_linear_shapes():
+        x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+        reference = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
+        modules = [reference, *convert(reference)]
+        if compile_modules:
+            modules = [torch.compile(m) for m in modules]
+        yield name, in_features, out_features, [time_fwd_bwd(m, x, repeats) for m in modules]
 
 
 def peak_tensor_bytes(fn: Callable[[], object], *external: torch.nn.Module | torch.optim.Optimizer) -> int:

@@ -4,7 +4,7 @@ Per-rank cost of a batch at a data-parallel degree: the last rank's time to read
 batch from the shipped corpus's token store (the work the loader's background thread does per step), median of 20
 batches after a warm one, one line per degree:
 
-    python scripts/benchmark.py --data            # or: python scripts/bench_data.py --per-rank
+    python scripts/benchmark.py data              # or: python scripts/bench_data.py --per-rank
 
 Preparation throughput (tokens/s with 1 process and with every core, bytes per token) on a generated jsonl corpus:
 

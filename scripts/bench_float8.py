@@ -14,7 +14,7 @@ import time
 import torch
 from torch import nn
 
-from bench_common import DEBUG_TOML, final_loss, llama_8b_linear_shapes, time_fwd_bwd
+from bench_common import DEBUG_TOML, add_linears_options, final_loss, high_precision, linear_seconds
 from titan.config.check import load_job_config
 from titan.metrics.log import init_logger
 from titan.quant.float8.linear import RECIPES, Float8Linear
@@ -22,19 +22,15 @@ from titan.train.trainer import Trainer
 
 
 def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    device, dtype = high_precision()
     print(f"linear fwd+bwd, {tokens} tokens, {dtype} high precision, device {device}, compile {compile_modules}")
     print(f"{'shape':<8} {'in x out':>13} {'high prec ms':>13} " + " ".join(f"{r + ' ms':>22}" for r in RECIPES)
           + "  speedups")
-    for name, in_features, out_features in llama_8b_linear_shapes():
-        x = torch.randn(tokens, in_features, device=device, dtype=dtype)
-        reference = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
-        modules = [reference] + [Float8Linear.from_linear(reference, recipe_name=recipe, emulate=False)
-                                 for recipe in RECIPES]
-        if compile_modules:
-            modules = [torch.compile(m) for m in modules]
-        seconds = [time_fwd_bwd(m, x, repeats) for m in modules]
+
+    def float8_linears(reference: nn.Linear) -> list[nn.Module]:
+        return [Float8Linear.from_linear(reference, recipe_name=recipe, emulate=False) for recipe in RECIPES]
+
+    for name, in_features, out_features, seconds in linear_seconds(tokens, repeats, compile_modules, float8_linears):
         speedups = " ".join(f"{seconds[0] / s:.2f}x" for s in seconds[1:])
         print(f"{name:<8} {f'{in_features}x{out_features}':>13} {seconds[0] * 1e3:13.2f} "
               + " ".join(f"{s * 1e3:22.2f}" for s in seconds[1:]) + f"  {speedups}")
@@ -78,13 +74,10 @@ def loss_curve(flags: list[str], steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--linears", action="store_true", help="per-shape linear fwd+bwd time")
+    add_linears_options(parser)
     parser.add_argument("--train", action="store_true", help="end-to-end tokens/s with and without float8")
     parser.add_argument("--loss-curve", action="store_true", help="final loss of each recipe vs high precision")
-    parser.add_argument("--tokens", type=int, default=8192 if torch.cuda.is_available() else 256,
-                        help="rows of x for --linears")
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the modules in --linears")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (--train) or training steps (--loss-curve)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")

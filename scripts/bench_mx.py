@@ -15,7 +15,7 @@ import argparse
 import torch
 from torch import nn
 
-from bench_common import final_loss, llama_8b_linear_shapes, median_seconds, time_fwd_bwd
+from bench_common import add_linears_options, final_loss, high_precision, linear_seconds, median_seconds
 from titan.config.validate import MX_MIN_CAPABILITY
 from titan.metrics.log import init_logger
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
@@ -66,20 +66,17 @@ def bench_quantize(rows: int, cols: int, repeats: int) -> None:
 
 
 def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = high_precision()
     native = mx_native()
     mode = "native" if native else "emulated (no SM100+ GPU: quantization overhead, not MX speed)"
     print(f"linear fwd+bwd, {tokens} tokens, {dtype} high precision, device {device}, mx {mode}, "
           f"compile {compile_modules}")
     print(f"{'shape':<8} {'in x out':>13} {'high prec ms':>13} {'mxfp8 ms':>10} {'speedup':>8}")
-    for name, in_features, out_features in llama_8b_linear_shapes():
-        x = torch.randn(tokens, in_features, device=device, dtype=dtype)
-        reference = nn.Linear(in_features, out_features, bias=False, device=device, dtype=dtype)
-        modules = [reference, MXLinear.from_linear(reference, recipe_name="mxfp8", emulate=not native)]
-        if compile_modules:
-            modules = [torch.compile(m) for m in modules]
-        high, mx = (time_fwd_bwd(m, x, repeats) for m in modules)
+
+    def mx_linears(reference: nn.Linear) -> list[nn.Module]:
+        return [MXLinear.from_linear(reference, recipe_name="mxfp8", emulate=not native)]
+
+    for name, in_features, out_features, (high, mx) in linear_seconds(tokens, repeats, compile_modules, mx_linears):
         print(f"{name:<8} {f'{in_features}x{out_features}':>13} {high * 1e3:13.2f} {mx * 1e3:10.2f} "
               f"{high / mx:7.2f}x")
 
@@ -96,14 +93,11 @@ def loss_curve(flags: list[str], steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantize", action="store_true", help="MX quantize kernel bandwidth")
-    parser.add_argument("--linears", action="store_true", help="per-shape linear fwd+bwd time")
+    add_linears_options(parser)
     parser.add_argument("--loss-curve", action="store_true", help="final loss of mxfp8 vs high precision")
-    on_gpu = torch.cuda.is_available()
-    parser.add_argument("--shape", type=int, nargs=2, default=(16384, 8192) if on_gpu else (2048, 1024),
-                        metavar=("ROWS", "COLS"), help="tensor shape for --quantize")
-    parser.add_argument("--tokens", type=int, default=8192 if on_gpu else 256, help="rows of x for --linears")
+    parser.add_argument("--shape", type=int, nargs=2, metavar=("ROWS", "COLS"), help="tensor shape for --quantize",
+                        default=(16384, 8192) if torch.cuda.is_available() else (2048, 1024))
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the modules in --linears")
     parser.add_argument("--steps", type=int, default=200, help="training steps for --loss-curve")
     parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
     args = parser.parse_args()

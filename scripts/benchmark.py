@@ -1,4 +1,4 @@
-"""Benchmarks of Titan's train step.
+"""Benchmarks of Titan's train step, one subcommand each.
 
 Titan's trainer overhead: its train step (data loader, the device-side skip decision, the previous step's
 asynchronous loss read, NaN/spike guard, LR schedule, metering) against a bare loop (forward, loss, backward, clip,
@@ -6,8 +6,8 @@ optimizer step, no read at all) on the same model, optimizer and batches, in one
 The two alternate in rounds (ABAB...), and the ratio is the median over rounds, with its range (the target is
 Titan within 3% of bare):
 
-    python scripts/benchmark.py                                   # debug model on CPU
-    python scripts/benchmark.py --steps 20 -- --model.flavor 1B --training.seq_len 2048 \
+    python scripts/benchmark.py overhead                          # debug model on CPU
+    python scripts/benchmark.py overhead --steps 20 -- --model.flavor 1B --training.seq_len 2048 \
         --training.mixed_precision_param bfloat16 --training.compile
 
 The speed levers of docs/performance.md, on the job held side by side with torchtitan (its debugmodel: 16 kv
@@ -16,26 +16,26 @@ baseline (main before the levers), each lever alone, all together, and all toget
 rounds. Prints tokens/s (median over rounds), the ratio to the baseline (median and range of the per-round
 ratios), peak tensor bytes of one step, and the largest loss difference from the baseline over the first 20 steps:
 
-    python scripts/benchmark.py --ablation
-    python scripts/benchmark.py --ablation --steps 2 --repeats 3 -- --training.seq_len 256   # a quick look
+    python scripts/benchmark.py ablation
+    python scripts/benchmark.py ablation --steps 2 --repeats 3 -- --training.seq_len 256   # a quick look
 
 Parameter + optimizer-state bytes and tokens/s per rank with FSDP over 1, 2 and 4 processes (gloo on CPU,
 one GPU each on CUDA machines):
 
-    python scripts/benchmark.py --fsdp-memory 1 2 4
+    python scripts/benchmark.py fsdp-memory 1 2 4
 
 Time training is blocked per checkpoint save, synchronous vs asynchronous (and pinned memory on CUDA), next to
 the time of one copy of the training state to host memory, the floor an async save can reach:
 
-    python scripts/benchmark.py --checkpoint
-    python scripts/benchmark.py --checkpoint -- --checkpoint.folder s3://bucket/prefix   # object storage (AWS_*)
+    python scripts/benchmark.py checkpoint
+    python scripts/benchmark.py checkpoint -- --checkpoint.folder s3://bucket/prefix   # object storage (AWS_*)
 
 Pipeline parallel over 2 CPU processes (gloo), each schedule with 2, 4 and 8 micro-batches of one sequence: the
 median step time, and the share of each step's pipelined forward-backward that each rank idles, next to the
 schedule's ideal bubble (equal-cost stages, free communication):
 
-    python scripts/benchmark.py --pipeline          # GPipe 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble
-    python scripts/benchmark.py --pipeline GPipe 1F1B --steps 10 -- --training.seq_len 128
+    python scripts/benchmark.py pipeline          # GPipe 1F1B Interleaved1F1B InterleavedZeroBubble ZBVZeroBubble
+    python scripts/benchmark.py pipeline --schedules GPipe 1F1B --steps 10 -- --training.seq_len 128
 
 A rank idles while it is blocked in the schedule's waits on point-to-point transfers (torch's _wait_batch_p2p, timed
 through a wrapper), and from the end of its own last action until every rank is done: a barrier on each side of the
@@ -45,30 +45,31 @@ shows each rank's idle share of the schedule's step and their mean, the number t
 The last data-parallel rank's time to read its batch of 1 x 8,192 tokens at data-parallel degrees 1 to 1024
 (scripts/bench_data.py has the preparation and memory measurements):
 
-    python scripts/benchmark.py --data
+    python scripts/benchmark.py data
 
 The cost of the production-run features (docs/production.md): seconds per step of the whole training loop
 (Trainer.run: data, logging, the per-step checks) without and with in-training evaluation, alternating runs, and
 the per-step checks alone (the stop/time-limit agreement, the spike and non-finite guard, the hang watchdog), with
 the latency of their one all-reduce between 2 gloo processes:
 
-    python scripts/benchmark.py --production
-    python scripts/benchmark.py --production --steps 100 -- --validation.freq 20
+    python scripts/benchmark.py production
+    python scripts/benchmark.py production --steps 100 -- --validation.freq 20
 
 Python's garbage collections during a whole training run on N processes (torchrun), per rank: with the collector's
 automatic runs (what Titan did before --training.gc_freq) and on Titan's schedule; their count by generation, total
 and longest pause, and the steps at which the scheduled ones ran:
 
-    python scripts/benchmark.py --gc 2 --steps 60 -- --parallelism.tensor_parallel_degree 2
+    python scripts/benchmark.py gc 2 --steps 60 -- --parallelism.tensor_parallel_degree 2
 
 Fine-tuning on the shipped conversations (docs/sft.md) against pretraining on the shipped documents, on the same
 model and layout, alternating in rounds: tokens/s (median over rounds), the ratio to pretraining (median and range of
 the per-round ratios; masking the prompts costs the step nothing, so it should be within 5%), and the share of the
 targets that carry a loss, counted over the timed batches:
 
-    python scripts/benchmark.py --sft
+    python scripts/benchmark.py sft
 
-Everything after `--` is a Titan flag, on top of configs/debug_model.toml.
+Everything after `--` is a Titan flag, on top of configs/debug_model.toml. `python scripts/benchmark.py MODE --help`
+lists a subcommand's own options.
 """
 
 import argparse
@@ -100,14 +101,14 @@ from torch.distributed.pipelining import schedules
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_common import peak_tensor_bytes  # noqa: E402
+from bench_common import DEBUG_TOML, peak_tensor_bytes  # noqa: E402
 from bench_data import per_rank_table  # noqa: E402
 from levers import LEVERS as EAGER_STEP_LEVERS  # noqa: E402
 from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.config.paths import is_url  # noqa: E402
 from titan.config.stages import ideal_bubble_fraction  # noqa: E402
-from titan.data.loader import Batch  # noqa: E402
+from titan.data.micro_batch import Batch  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger, logger  # noqa: E402
@@ -115,7 +116,10 @@ from titan.models.common.attention import expand_kv_heads  # noqa: E402
 from titan.models.common.loss import num_valid_targets  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from titan_flags import parse_with_titan_flags  # noqa: E402
 
+STEPS, WARMUP, REPEATS = 10, 3, 3
+"""The modes' --steps, --warmup and --repeats unless a mode says otherwise."""
 PIPELINE_SCHEDULES = get_args(get_type_hints(Parallelism)["pipeline_parallel_schedule"])
 # Every schedule but LoopedBFS, to keep the default run to about three minutes; name it to time it too.
 DEFAULT_PIPELINE_SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
@@ -123,6 +127,11 @@ PIPELINE_MICROBATCHES = (2, 4, 8)
 PIPELINE_RANKS = 2
 # Fifteen runs (five schedules x three micro-batch counts) share the three minutes: fewer steps each.
 PIPELINE_STEPS, PIPELINE_WARMUP = 6, 2
+
+
+def job_argv(flags: list[str]) -> list[str]:
+    """Titan's arguments for the user's `flags`: on top of the debug config, dumping to /tmp/titan_benchmark."""
+    return ["--job.config_file", DEBUG_TOML, "--job.dump_folder", "/tmp/titan_benchmark", *flags]
 
 
 def synchronize(device: torch.device) -> None:
@@ -186,12 +195,13 @@ def ratio_summary(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})"
 
 
-def overhead_table(args: argparse.Namespace, argv: list[str]) -> None:
+def overhead_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Titan's step against the bare loop on the same trainer, alternating `args.steps` steps of each per round."""
-    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
+    trainer = Trainer(load_job_config(job_argv(flags), world_size=1), world_size=1)
     t = trainer.cfg.training
     if t.global_batch_size not in (-1, t.local_batch_size):
-        raise SystemExit("benchmark.py compares single micro-batch steps: leave --training.global_batch_size at -1")
+        raise SystemExit("benchmark.py overhead compares single micro-batch steps: leave --training.global_batch_size "
+                         "at -1")
     data_iterator = iter(trainer.dataloader)
     batches = [tuple(x.to(trainer.device) for x in next(data_iterator)) for _ in range(args.steps)]
     timed_train_steps(trainer, data_iterator, args.warmup)  # compile, allocator, optimizer state
@@ -202,23 +212,29 @@ def overhead_table(args: argparse.Namespace, argv: list[str]) -> None:
         bare_seconds.append(time_bare(trainer, batches))
     tokens = t.local_batch_size * t.seq_len * args.steps
     print(f"model {trainer.cfg.model.flavor}  device {trainer.device}  batch {t.local_batch_size}x{t.seq_len}  "
-          f"dtype {t.mixed_precision_param}  compile {t.compile}  {args.repeats} rounds of {args.steps} steps each")
+          f"dtype {t.mixed_precision_param}  compile {trainer.cfg.compile.enable}  {args.repeats} rounds of "
+          f"{args.steps} steps each")
     print(f"titan  tokens/s {tokens / statistics.median(titan_seconds):12,.0f}")
     print(f"bare   tokens/s {tokens / statistics.median(bare_seconds):12,.0f}")
     ratios = [bare / titan for titan, bare in zip(titan_seconds, bare_seconds)]
     print(f"titan/bare ratio {ratio_summary(ratios)}  (tokens/s, median over rounds, and range)")
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor`: its shard, for a DTensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank holds of `tensor` (its shard, for a DTensor)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    """Bytes this rank holds of `tensor`."""
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 
-def measure_rank_memory(args: argparse.Namespace, argv: list[str]) -> None:
-    """Worker under torchrun: FSDP over every rank, then bytes held and tokens/s on this rank."""
+def measure_rank_memory(args: argparse.Namespace, flags: list[str]) -> None:
+    """Worker under torchrun (fsdp-memory): FSDP over every rank, then bytes held and tokens/s on this rank."""
     world_size = int(os.environ["WORLD_SIZE"])
-    trainer = Trainer(load_job_config([*argv, "--parallelism.data_parallel_shard_degree", str(world_size)],
+    trainer = Trainer(load_job_config([*job_argv(flags), "--parallelism.data_parallel_shard_degree", str(world_size)],
                                       world_size), world_size)
     seconds = time_titan(trainer, args.warmup, args.steps) if args.steps else 0.0
     param_bytes = sum(local_bytes(p) for p in trainer.training.model.parameters())
@@ -231,17 +247,24 @@ def measure_rank_memory(args: argparse.Namespace, argv: list[str]) -> None:
     destroy_distributed(wait_for_peers=True)
 
 
-def fsdp_memory_table(args: argparse.Namespace) -> None:
+def torchrun_results(nprocs: int, worker: list[str], flags: list[str], name: str) -> list[str]:
+    """The RESULT lines that the worker subcommand `worker` (with its options) prints on `flags` when torchrun
+    starts it on `nprocs` processes; a failed run stops the benchmark with its output, as the `name` run."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", __file__,
+               *worker, "--", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LOG_RANK": "0"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"{name} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return lines
+
+
+def fsdp_memory_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Run measure_rank_memory under torchrun for each process count and print one table."""
     print(f"{'ranks':>5} {'param MiB/rank':>15} {'optim MiB/rank':>15} {'total MiB/rank':>15} {'tokens/s/rank':>14}")
-    for nprocs in args.fsdp_memory:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-                   __file__, "--rank-memory", "--steps", str(args.steps), "--warmup", str(args.warmup), "--",
-                   *args.titan_flags]
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LOG_RANK": "0"})
-        lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT")]
-        if result.returncode != 0 or not lines:
-            raise SystemExit(f"FSDP={nprocs} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    for nprocs in args.process_counts:
+        worker = ["rank-memory", "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        lines = torchrun_results(nprocs, worker, flags, f"FSDP={nprocs}")
         _, ranks, params, states, tps = lines[0].split()
         params_mib, states_mib = int(params) / 2**20, int(states) / 2**20
         print(f"{ranks:>5} {params_mib:15.2f} {states_mib:15.2f} {params_mib + states_mib:15.2f} {float(tps):14,.0f}")
@@ -250,7 +273,7 @@ def fsdp_memory_table(args: argparse.Namespace) -> None:
 def state_bytes_and_copy_seconds(trainer: Trainer) -> tuple[int, float]:
     """Bytes of this rank's model + optimizer state, and the seconds to copy them to (unpinned) host memory."""
     state = trainer.checkpointer.training_state(trainer.train_state())
-    tensors = [t.to_local() if hasattr(t, "to_local") else t for t in _tensors(state)]
+    tensors = [local_tensor(t) for t in _tensors(state)]
     synchronize(trainer.device)
     start = time.perf_counter()
     copies = [t.to("cpu", copy=True) for t in tensors]
@@ -267,8 +290,10 @@ def _tensors(state: object) -> list[torch.Tensor]:
     return []
 
 
-def checkpoint_table(argv: list[str], repeats: int) -> None:
-    """For each async mode: median seconds the training loop is blocked by save(), and until the files are done."""
+def checkpoint_table(args: argparse.Namespace, flags: list[str]) -> None:
+    """For each async mode: median seconds the training loop is blocked by save(), and until the files are done,
+    over `args.repeats` saves."""
+    argv = job_argv(flags)
     modes = ["disabled", "async"] + (["async_with_pinned_mem"] if torch.cuda.is_available() else [])
     print(f"{'async_mode':<22} {'blocked ms':>11} {'written ms':>11} {'state MiB':>10} {'host copy ms':>13}")
     remote = load_job_config(argv, world_size=1).checkpoint.folder
@@ -283,7 +308,7 @@ def checkpoint_table(argv: list[str], repeats: int) -> None:
                                            *target], world_size=1), world_size=1)
         data_iterator = iter(trainer.dataloader)
         blocked, written = [], []
-        for _ in range(repeats):
+        for _ in range(args.repeats):
             trainer.step += 1
             trainer.train_step(data_iterator)
             synchronize(trainer.device)
@@ -372,17 +397,17 @@ def measure_pipeline_rank(rank: int, port: int, cfg: JobConfig, warmup: int, ste
     destroy_distributed(wait_for_peers=True)
 
 
-def pipeline_table(args: argparse.Namespace, argv: list[str]) -> None:
+def pipeline_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Fork PIPELINE_RANKS processes running measure_pipeline_rank for each schedule and micro-batch count and
     print one table. Forked, not launched with torchrun: the children inherit the imported torch and Titan, which
     would otherwise cost each of the fifteen runs several seconds. Every config is checked first, so a bad flag
     stops with its ConfigError before any process starts."""
     runs = [(schedule, num_microbatches,
-             load_job_config([*argv, "--parallelism.pipeline_parallel_degree", str(PIPELINE_RANKS),
+             load_job_config([*job_argv(flags), "--parallelism.pipeline_parallel_degree", str(PIPELINE_RANKS),
                               "--parallelism.pipeline_parallel_schedule", schedule,
                               "--parallelism.pipeline_parallel_microbatch_size", "1",
                               "--training.local_batch_size", str(num_microbatches)], PIPELINE_RANKS))
-            for schedule in args.pipeline or DEFAULT_PIPELINE_SCHEDULES for num_microbatches in PIPELINE_MICROBATCHES]
+            for schedule in args.schedules for num_microbatches in PIPELINE_MICROBATCHES]
     print(f"{'schedule':<22} {'microbatches':>12} {'step s':>7} {'idle rank 0':>12} {'idle rank 1':>12} "
           f"{'idle mean':>10} {'ideal bubble':>13}", flush=True)
     results = torch.multiprocessing.get_context("fork").SimpleQueue()
@@ -435,13 +460,13 @@ def measure_agreement_rank(rank: int, port: int, calls: int, results: SimpleQueu
     dist.destroy_process_group()
 
 
-def production_table(args: argparse.Namespace, argv: list[str]) -> None:
+def production_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Seconds per step of the whole loop without and with evaluation (median of alternating runs), and the
     per-step checks alone."""
-    steps = args.steps
+    argv, steps = job_argv(flags), args.steps
     logger.setLevel(logging.WARNING)  # the table is the output
     variants = {"no validation": [], "validation": ["--validation.enable"]}
-    if not any(flag.startswith("--validation.freq") for flag in argv):
+    if not any(flag.startswith("--validation.freq") for flag in flags):
         variants["validation"] += ["--validation.freq", str(max(steps // 5, 1))]
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     evaluations: list[dict] = []
@@ -484,13 +509,13 @@ class AutomaticCollection:
         return 0.0
 
 
-def measure_rank_collections(args: argparse.Namespace, argv: list[str]) -> None:
-    """Worker under torchrun: Trainer.run of --steps steps, with every collection timed through gc.callbacks;
-    --gc-automatic keeps the collector's automatic runs (the trainer's schedule replaced by nothing)."""
+def measure_rank_collections(args: argparse.Namespace, flags: list[str]) -> None:
+    """Worker under torchrun (gc): Trainer.run of --steps steps, with every collection timed through gc.callbacks;
+    --automatic keeps the collector's automatic runs (the trainer's schedule replaced by nothing)."""
     world_size = int(os.environ["WORLD_SIZE"])
-    trainer = Trainer(load_job_config([*argv, "--training.steps", str(args.steps), "--metrics.log_freq",
+    trainer = Trainer(load_job_config([*job_argv(flags), "--training.steps", str(args.steps), "--metrics.log_freq",
                                        str(args.steps)], world_size), world_size)
-    if args.gc_automatic:
+    if args.automatic:
         trainer.collector = AutomaticCollection()
     pauses: list[tuple[int, int, float]] = []  # (generation, step, seconds)
     started = [0.0]
@@ -508,17 +533,12 @@ def measure_rank_collections(args: argparse.Namespace, argv: list[str]) -> None:
     destroy_distributed(wait_for_peers=True)
 
 
-def collection_table(args: argparse.Namespace) -> None:
+def collection_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Run measure_rank_collections under torchrun, automatic and scheduled, and print a line per rank."""
     print(f"{'collector':<10} {'rank':>4} {'collections (gen 0/1/2)':>24} {'total ms':>9} {'longest ms':>11}  steps")
     for mode in ("automatic", "scheduled"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gc}",
-                   __file__, "--rank-collections", "--steps", str(args.steps),
-                   *(["--gc-automatic"] if mode == "automatic" else []), "--", *args.titan_flags]
-        result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "LOG_RANK": "0"})
-        lines = sorted(line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RESULT"))
-        if result.returncode != 0 or not lines:
-            raise SystemExit(f"{mode} run failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        worker = ["rank-collections", "--steps", str(args.steps), *(["--automatic"] if mode == "automatic" else [])]
+        lines = sorted(line.split(" ", 2) for line in torchrun_results(args.processes, worker, flags, mode))
         for _, rank, text in lines:
             pauses = json.loads(text)
             counts = "/".join(str(sum(1 for generation, _, _ in pauses if generation == g)) for g in range(3))
@@ -647,12 +667,11 @@ def ablation_contenders() -> list[Contender]:
     return rows
 
 
-def ablation_table(args: argparse.Namespace, argv: list[str]) -> None:
+def ablation_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Build every row, run `args.warmup` untimed steps of each, then `args.repeats` rounds of `args.steps` steps
     of each in turn; then one more step each for peak memory."""
     logger.setLevel(logging.WARNING)  # the table is the output
-    job = [*ABLATION_JOB, "--model.tokenizer_path", str(truncated_tokenizer(ABLATION_VOCAB))]
-    argv = [*argv[:4], *job, *argv[4:]]  # after the config file and dump folder, before the user's flags
+    argv = job_argv([*ABLATION_JOB, "--model.tokenizer_path", str(truncated_tokenizer(ABLATION_VOCAB)), *flags])
     contenders = ablation_contenders()
     for contender in contenders:
         contender.build(argv)
@@ -691,9 +710,10 @@ def loss_share(trainer: Trainer, num_batches: int) -> float:
     return sum(num_valid_targets(b.labels).item() for b in batches) / sum(b.labels.numel() for b in batches)
 
 
-def sft_table(args: argparse.Namespace, argv: list[str]) -> None:
+def sft_table(args: argparse.Namespace, flags: list[str]) -> None:
     """Pretraining and fine-tuning rows built side by side, `args.warmup` untimed steps each, then `args.repeats`
     rounds of `args.steps` steps of each in turn."""
+    argv = job_argv(flags)
     logger.setLevel(logging.WARNING)  # the table is the output
     rows = [Contender("pretraining (documents)", [], []), Contender("fine-tuning (conversations)", SFT_FLAGS, [])]
     for row in rows:
@@ -714,74 +734,69 @@ def sft_table(args: argparse.Namespace, argv: list[str]) -> None:
               f"{share:20.1%}")
 
 
-def main() -> None:
+def add_mode(modes: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace, list[str]], None],
+             summary: str | None, steps: int | None = None, warmup: int | None = None,
+             repeats: int | None = None) -> argparse.ArgumentParser:
+    """The subcommand `name`, which runs `run(args, titan_flags)`, with --steps, --warmup and --repeats where the mode
+    takes them (their defaults given). A mode without a summary is a worker that another mode starts under torchrun:
+    --help leaves it out."""
+    listing = {"help": summary, "description": summary} if summary else {}
+    parser = modes.add_parser(name, **listing)
+    parser.set_defaults(run=run)
+    if steps is not None:
+        parser.add_argument("--steps", type=int, default=steps, help=f"steps per timed run or round (default {steps})")
+    if warmup is not None:
+        parser.add_argument("--warmup", type=int, default=warmup,
+                            help=f"untimed steps first: compile, allocator, pipeline set-up (default {warmup})")
+    if repeats is not None:
+        parser.add_argument("--repeats", type=int, default=repeats,
+                            help=f"rounds, alternating where a mode compares runs; medians are over rounds "
+                                 f"(default {repeats})")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One subcommand per benchmark, in the docstring's order, then the workers that fsdp-memory and gc start on each
+    rank under torchrun."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, help=f"timed steps per loop and round (default 10; {PIPELINE_STEPS} "
-                                                  f"with --pipeline, {ABLATION_STEPS} with --ablation)")
-    parser.add_argument("--warmup", type=int, help="untimed steps first: compile, allocator, pipeline set-up "
-                                                   f"(default 3; {PIPELINE_WARMUP} with --pipeline, "
-                                                   f"{ABLATION_WARMUP} with --ablation)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="alternating rounds (titan/bare, or the ablation's rows); medians are over rounds")
-    parser.add_argument("--fsdp-memory", type=int, nargs="+", metavar="N",
-                        help="bytes and tokens/s per rank with FSDP over each N processes")
-    parser.add_argument("--rank-memory", action="store_true", help=argparse.SUPPRESS)  # the --fsdp-memory worker
-    parser.add_argument("--checkpoint", action="store_true", help="time blocked per checkpoint save, sync vs async")
-    parser.add_argument("--pipeline", nargs="*", choices=PIPELINE_SCHEDULES, metavar="SCHEDULE",
-                        help="step time and idle share of each pipeline schedule over 2 ranks and 2, 4 and 8 "
-                             f"micro-batches (default: {' '.join(DEFAULT_PIPELINE_SCHEDULES)})")
-    parser.add_argument("--production", action="store_true",
-                        help="seconds per step without and with evaluation, and the per-step checks' cost")
-    parser.add_argument("--ablation", action="store_true",
-                        help="tokens/s, peak memory and loss difference of each speed lever, alone and together")
-    parser.add_argument("--sft", action="store_true",
-                        help="tokens/s of fine-tuning on conversations against pretraining, same model and layout")
-    parser.add_argument("--data", action="store_true",
-                        help="the last data-parallel rank's read time per batch at degrees 1 to 1024")
-    parser.add_argument("--gc", type=int, metavar="N",
-                        help="garbage collections per rank over a run on N processes, automatic and scheduled")
-    parser.add_argument("--rank-collections", action="store_true", help=argparse.SUPPRESS)  # the --gc worker
-    parser.add_argument("--gc-automatic", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("titan_flags", nargs="*", help="Titan flags after --")
-    args = parser.parse_args()
-    if args.steps is None:
-        args.steps = PIPELINE_STEPS if args.pipeline is not None else ABLATION_STEPS if args.ablation else 10
-    if args.warmup is None:
-        args.warmup = PIPELINE_WARMUP if args.pipeline is not None else ABLATION_WARMUP if args.ablation else 3
+    modes = parser.add_subparsers(metavar="MODE", required=True)
+    add_mode(modes, "overhead", overhead_table, "Titan's train step against a bare loop: tokens/s and their ratio",
+             STEPS, WARMUP, REPEATS)
+    add_mode(modes, "ablation", ablation_table,
+             "tokens/s, peak memory and loss difference of each speed lever, alone and together",
+             ABLATION_STEPS, ABLATION_WARMUP, REPEATS)
+    fsdp_memory = add_mode(modes, "fsdp-memory", fsdp_memory_table,
+                           "bytes and tokens/s per rank with FSDP over each N processes", STEPS, WARMUP)
+    fsdp_memory.add_argument("process_counts", type=int, nargs="+", metavar="N", help="process counts, e.g. 1 2 4")
+    checkpoint = add_mode(modes, "checkpoint", checkpoint_table, "time blocked per checkpoint save, sync vs async")
+    checkpoint.add_argument("--repeats", type=int, default=REPEATS,
+                            help=f"saves per async mode; medians are over them (default {REPEATS})")
+    pipeline = add_mode(modes, "pipeline", pipeline_table, "step time and idle share of each pipeline schedule "
+                        "over 2 ranks and 2, 4 and 8 micro-batches", PIPELINE_STEPS, PIPELINE_WARMUP)
+    pipeline.add_argument("--schedules", nargs="+", choices=PIPELINE_SCHEDULES, default=DEFAULT_PIPELINE_SCHEDULES,
+                          metavar="SCHEDULE", help=f"any of {' '.join(PIPELINE_SCHEDULES)} "
+                                                   f"(default: {' '.join(DEFAULT_PIPELINE_SCHEDULES)})")
+    add_mode(modes, "data", lambda args, flags: per_rank_table(),
+             "the last data-parallel rank's read time per batch at degrees 1 to 1024")
+    add_mode(modes, "production", production_table,
+             "seconds per step without and with evaluation, and the per-step checks' cost", STEPS, repeats=REPEATS)
+    collections = add_mode(modes, "gc", collection_table,
+                           "garbage collections per rank over a run on N processes, automatic and scheduled", STEPS)
+    collections.add_argument("processes", type=int, metavar="N", help="processes, as torchrun's --nproc_per_node")
+    add_mode(modes, "sft", sft_table,
+             "tokens/s of fine-tuning on conversations against pretraining, same model and layout",
+             STEPS, WARMUP, REPEATS)
+    add_mode(modes, "rank-memory", measure_rank_memory, None, STEPS, WARMUP)
+    rank_collections = add_mode(modes, "rank-collections", measure_rank_collections, None, STEPS)
+    rank_collections.add_argument("--automatic", action="store_true",
+                                  help="Python's automatic collections instead of the trainer's schedule")
+    return parser
+
+
+def main() -> None:
+    args, titan_flags = parse_with_titan_flags(build_parser())
     init_logger()
-    argv = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--job.dump_folder",
-            "/tmp/titan_benchmark", *args.titan_flags]
-    if args.data:
-        per_rank_table()
-        return
-    if args.fsdp_memory:
-        fsdp_memory_table(args)
-        return
-    if args.gc:
-        collection_table(args)
-        return
-    if args.rank_collections:
-        measure_rank_collections(args, argv)
-        return
-    if args.rank_memory:
-        measure_rank_memory(args, argv)
-        return
-    if args.checkpoint:
-        checkpoint_table(argv, args.repeats)
-        return
-    if args.pipeline is not None:
-        pipeline_table(args, argv)
-        return
-    if args.production:
-        production_table(args, argv)
-        return
-    if args.ablation:
-        ablation_table(args, argv)
-        return
-    if args.sft:
-        sft_table(args, argv)
-        return
-    overhead_table(args, argv)
+    args.run(args, titan_flags)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Helpers shared by the checkpoint scripts (convert_to_hf.py, convert_from_hf.py, generate.py): reading the
-model's family and shape from Titan flags, and turning user mistakes into one message and exit code 2."""
+"""Helpers shared by the checkpoint scripts (convert_to_hf.py, convert_from_hf.py, generate.py): their parser,
+reading the model's family and shape from Titan flags, reading a step folder's weights against that shape, and
+turning user mistakes into one message and exit code 2."""
 
 import argparse
 import sys
@@ -7,9 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from titan.checkpoint.dcp import read_model_weights  # noqa: E402
+from titan.checkpoint.hf import check_shapes, titan_shapes  # noqa: E402
 from titan.config.errors import ConfigError  # noqa: E402
 from titan.config.job import Model, MoE  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
@@ -25,12 +30,10 @@ TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.
                     "training run's config. Without them: the Llama debug model and the shipped tokenizer.")
 
 
-def parse_with_titan_flags(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
-    """The script's own arguments (those before `--`) parsed by `parser`, and the Titan flags after `--`.
-    Split by hand: argparse can't hand a `--` tail to a nargs="*" positional that follows other positionals."""
-    argv = sys.argv[1:]
-    split = argv.index("--") if "--" in argv else len(argv)
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+def checkpoint_parser(description: str) -> argparse.ArgumentParser:
+    """A checkpoint script's parser: its docstring above the arguments, how to pass Titan flags below them."""
+    return argparse.ArgumentParser(description=description, epilog=TITAN_FLAGS_HELP,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def parse_model_flags(flags: list[str]) -> tuple[Model, MoE, Tokenizer]:
@@ -62,6 +65,14 @@ def parse_model_shape(flags: list[str]) -> tuple[Model, Any, Tokenizer]:
     model, moe, tokenizer = parse_model_flags(flags)
     args = build_args(model, moe, tokenizer, FAMILIES[model.name].flavors[model.flavor].max_seq_len)
     return model, args, tokenizer
+
+
+def read_checked_weights(step_folder: str, args: Any) -> dict[str, Tensor]:
+    """The model tensors of a Titan DCP step folder, refused with one message if their shapes are not `args`'."""
+    weights = read_model_weights(step_folder)
+    check_shapes({fqn: tensor.shape for fqn, tensor in weights.items()}, titan_shapes(args),
+                 f"Checkpoint {step_folder}")
+    return weights
 
 
 def check_new_folder(folder: Path, flag: str) -> None:

@@ -17,21 +17,15 @@ Everything after `--` is a Titan flag; only --model.name, --model.flavor, --mode
 import argparse
 from pathlib import Path
 
-from checkpoint_common import (
-    TITAN_FLAGS_HELP,
-    check_new_folder,
-    parse_model_shape,
-    parse_with_titan_flags,
-    run_script,
-)
+from checkpoint_common import check_new_folder, checkpoint_parser, parse_model_shape, run_script
 from titan.checkpoint.dcp import save_model_weights
 from titan.checkpoint.hf_io import read_hf_weights
 from titan.metrics.log import logger
+from titan_flags import parse_with_titan_flags
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = checkpoint_parser(__doc__)
     parser.add_argument("hf_folder", type=Path, help="Hugging Face folder with config.json and safetensors files")
     parser.add_argument("output_folder", type=Path, help="new folder for the DCP checkpoint")
     return parse_with_titan_flags(parser)

@@ -15,23 +15,15 @@ folder loads with transformers' AutoModelForCausalLM.from_pretrained(folder) and
 import argparse
 from pathlib import Path
 
-from checkpoint_common import (
-    TITAN_FLAGS_HELP,
-    check_new_folder,
-    parse_model_shape,
-    parse_with_titan_flags,
-    run_script,
-)
-from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import check_shapes, titan_shapes
+from checkpoint_common import check_new_folder, checkpoint_parser, parse_model_shape, read_checked_weights, run_script
 from titan.checkpoint.hf_io import DEFAULT_MAX_SHARD_BYTES, save_hf
 from titan.config.dtypes import DTYPES
 from titan.metrics.log import logger
+from titan_flags import parse_with_titan_flags
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = checkpoint_parser(__doc__)
     parser.add_argument("step_folder", help="Titan DCP step folder, e.g. <dump_folder>/checkpoint/step-20, or its URL "
                                              "(s3://bucket/run/step-20)")
     parser.add_argument("output_folder", type=Path, help="new folder for the Hugging Face files")
@@ -48,9 +40,7 @@ def main() -> None:
     check_new_folder(cli.output_folder, "output_folder")
     model_cfg, args, tokenizer = parse_model_shape(titan_flags)
     dtype = DTYPES[cli.dtype]
-    weights = read_model_weights(cli.step_folder)
-    check_shapes({fqn: tensor.shape for fqn, tensor in weights.items()}, titan_shapes(args),
-                 f"Checkpoint {cli.step_folder}")
+    weights = read_checked_weights(cli.step_folder, args)
     save_hf(weights, cli.output_folder, args, dtype, tokenizer, cli.max_shard_bytes)
     logger.info(f"Wrote {len(weights)} {cli.dtype} tensors of {model_cfg.flavor} from {cli.step_folder} to "
                 f"{cli.output_folder}: {', '.join(sorted(path.name for path in cli.output_folder.iterdir()))}.")

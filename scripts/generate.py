@@ -17,24 +17,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from checkpoint_common import (
-    TITAN_FLAGS_HELP,
-    build_args,
-    parse_model_flags,
-    parse_with_titan_flags,
-    run_script,
-)
-from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import check_shapes, titan_shapes
+from checkpoint_common import build_args, checkpoint_parser, parse_model_flags, read_checked_weights, run_script
 from titan.checkpoint.hf_io import read_hf_weights
 from titan.models.common.family import ModelFamily
 from titan.models.common.rotary import precompute_rope_cache
 from titan.models.families import FAMILIES
+from titan_flags import parse_with_titan_flags
 
 
 def parse_cli() -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, epilog=TITAN_FLAGS_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = checkpoint_parser(__doc__)
     parser.add_argument("checkpoint", help="Titan DCP step folder (a path or an s3://, gs:// URL), or a local Hugging "
                                            "Face folder with --hf")
     parser.add_argument("--hf", action="store_true", help="checkpoint is a Hugging Face folder (LlamaForCausalLM, "
@@ -104,9 +96,7 @@ def main() -> None:
     if cli.hf:
         state_dict = read_hf_weights(Path(cli.checkpoint), args)
     else:
-        state_dict = read_model_weights(cli.checkpoint)
-        check_shapes({fqn: tensor.shape for fqn, tensor in state_dict.items()}, titan_shapes(args),
-                     f"Checkpoint {cli.checkpoint}")
+        state_dict = read_checked_weights(cli.checkpoint, args)
     model = build_model(FAMILIES[model_cfg.name], args, state_dict, device)
     generator = torch.Generator(device=device).manual_seed(cli.seed)
     new_ids = generate(model, prompt_ids, cli.max_new_tokens, cli.temperature, cli.top_k, tokenizer.eos_id, generator)

@@ -124,7 +124,8 @@ OVERHEAD_JOBS = {
            "--training.seq_len", "4096", "--training.mixed_precision_param", "bfloat16",
            "--activation_checkpoint.mode", "selective"],
 }
-"""scripts/benchmark.py's flags for docs/performance.md's trainer-overhead jobs, with fewer rounds than its table."""
+"""`scripts/benchmark.py overhead`'s flags for docs/performance.md's trainer-overhead jobs, with fewer rounds than its
+table."""
 
 TORCHTITAN_NOT_MATCHED = [
     "torchtitan 0.3.0 follows torch's nightly builds. On torch 2.11 scripts/torchtitan_llama3_1b.py supplies "
@@ -476,7 +477,7 @@ def benchmark_summary(output: str) -> str:
 
 def check_overhead(session: Session, job: str) -> str:
     """Titan's train step against the bare loop, alternating rounds (docs/performance.md, trainer overhead)."""
-    flags = OVERHEAD_JOBS[job]
+    flags = ["overhead", *OVERHEAD_JOBS[job]]
     output = session.run({job: python(ROOT / "scripts" / "benchmark.py", *flags)}, limit_s=120)[job]
     return f"{benchmark_summary(output)} (`benchmark.py {' '.join(flags)}`)"
 

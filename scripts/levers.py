@@ -1,6 +1,6 @@
 """The changes that made Titan's eager step leaner (issue 51), each of which a process can switch off to measure it:
 scripts/step_budget.py's before/after, scripts/gpu_check.py's lever rows (through scripts/train_levers_off.py) and
-scripts/benchmark.py's CPU ablation. Each lever off restores the code path it replaced, by patching the function
+`scripts/benchmark.py ablation` on the CPU. Each lever off restores the code path it replaced, by patching the function
 the model calls, so that the model's own code keeps no switch."""
 
 import contextlib

@@ -10,9 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+
+from titan.checkpoint.hf_io import save_hf
+from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
 
 from harness.debug_training import train_losses
 from harness.fsdp2_job import launch_job
+from harness.hf_models import DEBUG, SMALL_SHARD_BYTES, TOKENIZER
+from harness.models import build_model
 from harness.torchrun import GlooAbortRerun
 from harness.train_script import run_train, titan_log
 
@@ -59,6 +66,27 @@ def fp32_debug_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 def run_train_help() -> subprocess.CompletedProcess:
     """`./run_train.sh --help`, run once for the tests of its text (test_launch.py, test_bad_inputs.py)."""
     return run_train("--help")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    """The shipped tokenizer (titan.data.tokenizer.SHIPPED_TOKENIZER), for the data and token-store tests."""
+    return build_tokenizer(SHIPPED_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def debug_model() -> nn.Module:
+    """The Llama debug model at the shipped tokenizer's vocabulary (harness.hf_models.DEBUG), seed 0, for the Hugging
+    Face tests (test_hf.py, test_hf_llama.py)."""
+    return build_model(DEBUG)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(debug_model: nn.Module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The debug model as a float32 Hugging Face folder in 6 shards. Read-only: tests that damage it copy it."""
+    folder = tmp_path_factory.mktemp("hf")
+    save_hf(debug_model.state_dict(), folder, DEBUG, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
+    return folder
 
 
 def pytest_warning_recorded(warning_message: warnings.WarningMessage, when: str, nodeid: str,

@@ -28,7 +28,7 @@ from titan.train.anomalies import SpikeDetector
 from titan.train.nan_guard import NonFiniteLossError
 from titan.train.trainer import Trainer
 
-from harness.debug_training import DEBUG_TOML
+from harness.debug_training import build_trainer, debug_job
 from harness.nan_injection import nan_at
 from harness.train_script import ROOT, losses_by_step
 
@@ -57,15 +57,11 @@ def write_data(path: Path, noise_index: int | None, num_documents: int = 200) ->
     return path
 
 
-def flags(folder: Path, data: Path, *extra: str) -> list[str]:
-    return ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(folder), "--training.seq_len", str(SEQ_LEN),
-            "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--optimizer.lr", "2e-3",
+def flags(data: Path, *extra: str) -> list[str]:
+    """The flags of these tests' debug job (harness.debug_training.debug_job) on `data`, then `extra`."""
+    return ["--training.seq_len", str(SEQ_LEN), "--training.local_batch_size", "2", "--optimizer.lr", "2e-3",
             "--lr_scheduler.warmup_steps", "2", "--training.dataset", "text", "--training.dataset_path", str(data),
             "--training.spike_window", "5", "--training.no_shuffle", *extra]  # the noise document's step is known
-
-
-def build_trainer(folder: Path, data: Path, *extra: str) -> Trainer:
-    return Trainer(load_job_config(flags(folder, data, *extra), world_size=1), world_size=1)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -106,9 +102,9 @@ def test_nonfinite_steps_are_skipped_until_max_skipped_steps(tmp_path: Path, mon
     """NaN at steps 3, 5 and 7 with 2 skips allowed: 3 and 5 are skipped (no optimizer or LR step, the data moves
     on), 7 stops with the usual message and the count. Fused Adam skips on the device's flag, foreach Adam on the
     host's read of it."""
-    trainer = build_trainer(tmp_path, write_data(tmp_path / "data.txt", noise_index=None), "--training.steps", "10",
-                            "--training.on_nonfinite", "skip", "--training.max_skipped_steps", "2",
-                            "--optimizer.implementation", implementation)
+    trainer = build_trainer(tmp_path, *flags(write_data(tmp_path / "data.txt", noise_index=None), "--training.steps",
+                                             "10", "--training.on_nonfinite", "skip", "--training.max_skipped_steps",
+                                             "2", "--optimizer.implementation", implementation))
     nan_at(trainer, {3, 5, 7}, monkeypatch.setattr)
     with pytest.raises(NonFiniteLossError) as stop:
         trainer.run()
@@ -137,8 +133,8 @@ def test_nonfinite_steps_are_skipped_until_max_skipped_steps(tmp_path: Path, mon
 def test_spike_is_logged_or_skipped(tmp_path: Path, policy: list[str], action: str, message: str,
                                     titan_records: list[logging.LogRecord]) -> None:
     """The noise document is in step 12's batch; only that step spikes, by the median and MAD of steps 7-11."""
-    trainer = build_trainer(tmp_path, write_data(tmp_path / "data.txt", noise_index=22), "--training.steps", "14",
-                            *policy)
+    trainer = build_trainer(tmp_path, *flags(write_data(tmp_path / "data.txt", noise_index=22), "--training.steps",
+                                             "14", *policy))
     trainer.run()
     [record] = read_jsonl(tmp_path / "anomalies.jsonl")
     losses = {r["step"]: r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r}
@@ -161,9 +157,9 @@ def test_spike_rolls_back_to_the_last_checkpoint_and_skips_its_data(tmp_path: Pa
     """Two micro-batches per step, a checkpoint at step 10, the noise in step 12: the run reloads step 10, goes on
     from step 11 with the batches after step 12's, and reads no batch twice. Step 12's loss is read once step 13 is
     queued, so the batches after step 12's are drawn as step 13's and then train step 11."""
-    trainer = build_trainer(tmp_path, write_data(tmp_path / "data.txt", noise_index=44), "--training.steps", "14",
-                            "--training.global_batch_size", "4", "--training.on_spike", "rollback",
-                            "--checkpoint.enable", "--checkpoint.interval", "10")
+    trainer = build_trainer(tmp_path, *flags(write_data(tmp_path / "data.txt", noise_index=44), "--training.steps",
+                                             "14", "--training.global_batch_size", "4", "--training.on_spike",
+                                             "rollback", "--checkpoint.enable", "--checkpoint.interval", "10"))
     draws: list[tuple[int, str]] = []
     real_next_batch = trainer.next_batch
 
@@ -193,7 +189,7 @@ def test_spike_rolls_back_to_the_last_checkpoint_and_skips_its_data(tmp_path: Pa
 def launch(folder: Path, data: Path, nprocs: int, nan_steps: str, *extra: str) -> subprocess.CompletedProcess:
     """tests/harness/anomaly_probe.py under titan.launch, as run_train.sh runs train.py."""
     command = [sys.executable, "-m", "titan.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={nprocs}",
-               str(ROOT / "tests" / "harness" / "anomaly_probe.py"), *flags(folder, data, *extra)]
+               str(ROOT / "tests" / "harness" / "anomaly_probe.py"), *debug_job(folder, *flags(data, *extra))]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env={**os.environ, "NAN_STEPS": nan_steps, "LOG_RANK": "0"})
 

@@ -13,11 +13,14 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.models.common.attention import build_block_mask, compile_visible_region, document_layout
-from titan.models.common.loss import IGNORE_INDEX, mask_cross_document_targets
-from titan.models.llama import ModelArgs, Transformer, init_weights
+from titan.data.micro_batch import document_layout, mask_cross_document_targets
+from titan.models.common.attention import build_block_mask, compile_visible_region
+from titan.models.common.loss import IGNORE_INDEX
+from titan.models.llama import ModelArgs
 from titan.parallel import ac
 from titan.parallel.ac import apply_ac, selective_policy
+
+from harness.models import build_model
 
 VOCAB, EOS = 2256, 2255
 SEQ = 24
@@ -29,17 +32,9 @@ LAYOUTS = {
     "a document longer than the sequence": [],  # the window starts and ends inside one document
     "documents cut by both ends": [7, 15],  # the first starts before the window, the last ends after it
 }
-
-
-def build(backend: str) -> Transformer:
-    torch.manual_seed(0)
-    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ,
-                     attn_backend=backend)
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    init_weights(model)
-    return model
+# The model of every test here, by attention backend.
+MODELS = {backend: ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=SEQ,
+                             attn_backend=backend) for backend in ("sdpa", "flex")}
 
 
 def packed_row(starts: list[int], seq: int = SEQ) -> torch.Tensor:
@@ -72,7 +67,7 @@ def test_next_document_start_is_no_target_but_the_eos_is() -> None:
 def test_block_causal_equals_each_document_alone(layout: str) -> None:
     """Logits and every parameter's gradient of the packed row (SDPA with the dense block-causal mask) equal those
     of running each document on its own (causal, positions from 0), within fp32 tolerance."""
-    model, starts = build("sdpa"), LAYOUTS[layout]
+    model, starts = build_model(MODELS["sdpa"]), LAYOUTS[layout]
     tokens = packed_row(starts)
     weights = torch.randn(1, SEQ, model.output.out_features)  # a loss that reaches every logit
 
@@ -152,7 +147,7 @@ def test_flex_block_mask_equals_the_documents_mask() -> None:
 def test_flex_model_computes_the_sdpa_logits(layout: str) -> None:
     """A flex model (its BlockMask) computes the logits an SDPA model (its dense mask) does."""
     tokens = torch.cat([packed_row(LAYOUTS[layout]), packed_row(LAYOUTS["many documents"])])
-    flex, sdpa = build("flex"), build("sdpa")
+    flex, sdpa = build_model(MODELS["flex"]), build_model(MODELS["sdpa"])
     with torch.no_grad():
         torch.testing.assert_close(flex(tokens, *document_layout(tokens == EOS)),
                                    sdpa(tokens, *document_layout(tokens == EOS)), rtol=1e-5, atol=1e-5)
@@ -180,7 +175,7 @@ def test_selective_ac_saves_flex_attention() -> None:
 def test_compiled_flex_blocks_match_sdpa() -> None:
     """FlexAttention inside compiled blocks, as --compile.enable runs it (forward: CPU has no backward)."""
     tokens = torch.cat([packed_row(LAYOUTS["many documents"]), packed_row(LAYOUTS["two documents"])])
-    flex, sdpa = build("flex"), build("sdpa")
+    flex, sdpa = build_model(MODELS["flex"]), build_model(MODELS["sdpa"])
     for block in flex.layers.values():
         block.compile(fullgraph=True)
     with torch.no_grad():

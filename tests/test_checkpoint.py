@@ -25,10 +25,10 @@ from titan.config.check import load_job_config
 from titan.config.job import Checkpoint
 from titan.train.trainer import Trainer
 
-from harness.debug_training import DEBUG_TOML
+from harness.debug_training import DEBUG_TOML, build_trainer
 from harness.torchrun import run_cases
 from harness.train_cases_harness import CONSOLE_LOG
-from harness.train_script import ROOT, kill_tree, losses_by_step, run_train, run_train_here
+from harness.train_script import ROOT, kill_tree, losses_by_step, run_train_here, train_to_the_end
 
 STEPS = 10
 MIDDLE = STEPS // 2
@@ -39,14 +39,6 @@ BASE = ["--training.seq_len", "64", "--training.local_batch_size", str(LOCAL_BAT
         "--training.mixed_precision_param", "float32", "--optimizer.lr", "2e-3", "--lr_scheduler.warmup_steps", "2"]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(MIDDLE)]
 DEEPSEEK_V3 = ["--model.name", "deepseek_v3", "--model.flavor", "debugmodel"]
-
-
-def train(folder: Path, *flags: str, nprocs: int = 1) -> subprocess.CompletedProcess:
-    """A run that must finish: on one process in this process (run_train_here), else through ./run_train.sh."""
-    args = [*BASE, "--job.dump_folder", str(folder), *flags]
-    result = run_train_here(*args) if nprocs == 1 else run_train(*args, env={"NGPU": str(nprocs)})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 # The straight STEPS-step runs that the resume tests start from, by name: (processes, model flags, layout flags). Each
@@ -83,7 +75,7 @@ def straight_runs(request: pytest.FixtureRequest,
             nprocs, model, layout = STRAIGHT_RUNS[name]
             if nprocs == 1:
                 folders[name] = tmp_path_factory.mktemp(f"straight-{name}")
-                train(folders[name], "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout)
+                train_to_the_end(folders[name], *BASE, "--training.steps", str(STEPS), *CHECKPOINT, *model, *layout)
             else:
                 launch_straight_runs(sorted({name} | {n for n in asked - folders.keys()
                                                       if STRAIGHT_RUNS[n][0] == nprocs}), nprocs)
@@ -180,7 +172,7 @@ def continued_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
                 done[run] = launch / run
                 CONTINUED[run].start(straight_runs(CONTINUED[run].straight), done[run])
             if CONTINUED[name].nprocs == 1:
-                result = train(done[name], *CONTINUED[name].flags)
+                result = train_to_the_end(done[name], *BASE, *CONTINUED[name].flags)
                 (done[name] / CONSOLE_LOG).write_text(result.stdout)
             else:
                 launch_in_folders(launch, CONTINUED[name].nprocs,
@@ -215,7 +207,7 @@ def test_resume_on_one_process_from_another_layout(tmp_path: Path, name: str,
     straight = straight_runs(name)
     resumed = tmp_path / "resumed"
     resume_from_middle(straight, resumed)
-    result = train(resumed, "--training.steps", str(STEPS), *CHECKPOINT, *model)
+    result = train_to_the_end(resumed, *BASE, "--training.steps", str(STEPS), *CHECKPOINT, *model)
     restored = re.search(rf"checkpoint/step-{MIDDLE}: step {MIDDLE}, (.*) restored", result.stdout)
     assert restored and {"model", "optimizer", "lr_scheduler", "dataloader"} <= set(restored.group(1).split(", "))
     want, got = losses_by_step(straight), losses_by_step(resumed)
@@ -259,21 +251,21 @@ def test_killed_during_async_save_resumes_from_last_complete(tmp_path: Path) -> 
     complete = sorted(int(p.name.split("-")[1]) for p in checkpoints.glob("step-*[0-9]"))
     assert complete, "a complete checkpoint exists before the killed save"
     last = complete[-1]
-    result = train(folder, *flags)
+    result = train_to_the_end(folder, *BASE, *flags)
     assert "Ignoring incomplete checkpoint" in result.stdout
     assert f"step-{last}: step {last}" in result.stdout
     assert f"Training finished after {STEPS} steps" in result.stdout
     assert not list(checkpoints.glob("*.partial"))
     assert (checkpoints / f"step-{STEPS}" / ".metadata").is_file()
     straight = tmp_path / "straight"
-    train(straight, "--training.steps", str(STEPS))
+    train_to_the_end(straight, *BASE, "--training.steps", str(STEPS))
     want, got = losses_by_step(straight), losses_by_step(folder)
     assert [got[s] for s in range(last + 1, STEPS + 1)] == [want[s] for s in range(last + 1, STEPS + 1)]
 
 
 def test_keep_latest_k(tmp_path: Path) -> None:
-    train(tmp_path, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
-          "--checkpoint.keep_latest_k", "2")
+    train_to_the_end(tmp_path, *BASE, "--training.steps", "8", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--checkpoint.keep_latest_k", "2")
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-6", "step-8"]
 
 
@@ -362,9 +354,7 @@ def loss_on_first_batch(weights: dict[str, torch.Tensor], dp_degree: int, tmp_pa
     """The loss of `weights` on the first global batch that a run with `dp_degree` data-parallel ranks reads,
     computed on one process (whose batch of LOCAL_BATCH_SIZE x dp_degree is that global batch) with a plain,
     unsharded model."""
-    argv = ["--job.config_file", DEBUG_TOML, *BASE, "--job.dump_folder", str(tmp_path),
-            "--training.local_batch_size", str(LOCAL_BATCH_SIZE * dp_degree)]
-    trainer = Trainer(load_job_config(argv, world_size=1), world_size=1)
+    trainer = build_trainer(tmp_path, *BASE, "--training.local_batch_size", str(LOCAL_BATCH_SIZE * dp_degree))
     trainer.training.model.load_state_dict(weights)
     with torch.no_grad():
         loss_sum, num_targets = trainer.training.evaluation_loss(*next(iter(trainer.dataloader)))
@@ -399,7 +389,7 @@ SOURCE_FLAGS = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.in
 @pytest.fixture(scope="module")
 def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("source")
-    train(folder, *SOURCE_FLAGS)
+    train_to_the_end(folder, *BASE, *SOURCE_FLAGS)
     return folder
 
 
@@ -413,7 +403,7 @@ def test_load_step_resumes_from_that_step_not_the_latest(tmp_path: Path, source_
     """With checkpoints at steps 2 and 4, --checkpoint.load_step 2 loads step 2 and trains steps 3 and 4 again,
     with the losses they had the first time (the latest, step 4, would leave nothing to train)."""
     run = copy_of(source_run, tmp_path / "run")
-    result = train(run, *SOURCE_FLAGS, "--checkpoint.load_step", "2")
+    result = train_to_the_end(run, *BASE, *SOURCE_FLAGS, "--checkpoint.load_step", "2")
     assert "checkpoint/step-2: step 2" in result.stdout
     records = [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
                if "loss" in r]
@@ -436,7 +426,7 @@ def test_resume_across_parameter_groupings(tmp_path: Path, saved: list[str], loa
     same as a load with the saved grouping gives), while the groups' weight decay and learning rates are the new
     config's, at the saved step of the schedule. Training then goes on."""
     run = tmp_path / "run"
-    train(run, *SOURCE_FLAGS, *saved)
+    train_to_the_end(run, *BASE, *SOURCE_FLAGS, *saved)
     flags = [*BASE, "--job.dump_folder", str(run), "--training.steps", "6", "--checkpoint.enable",
              "--checkpoint.interval", "2", "--checkpoint.load_step", "4"]
     same = Trainer(load_job_config([*flags, *saved], world_size=1), world_size=1)
@@ -487,7 +477,8 @@ def test_corrupt_checkpoint_names_the_folder(tmp_path: Path, source_run: Path) -
 
 def test_seed_checkpoint_starts_every_layout_identically(tmp_path: Path) -> None:
     seed = tmp_path / "seed"
-    result = train(seed, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.seed", "7")
+    result = train_to_the_end(seed, *BASE, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                              "--training.seed", "7")
     assert "Wrote the seed checkpoint" in result.stdout and "step     1" not in result.stdout
     seed_weights = read_model_weights(seed / "checkpoint" / "step-0")
     metadata = dcp.FileSystemReader(str(seed / "checkpoint" / "step-0")).read_metadata().state_dict_metadata
@@ -504,8 +495,8 @@ def test_seed_checkpoint_starts_every_layout_identically(tmp_path: Path) -> None
 
 
 def test_last_save_model_only_exports_weights_in_dtype(tmp_path: Path) -> None:
-    train(tmp_path, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2",
-          "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
+    train_to_the_end(tmp_path, *BASE, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2",
+                     "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16")
     reader = dcp.FileSystemReader(str(tmp_path / "checkpoint" / "step-3"))
     metadata = reader.read_metadata().state_dict_metadata
     assert {key.split(".")[0] for key in metadata} == {"model"}
@@ -517,8 +508,8 @@ def test_last_save_model_only_exports_weights_in_dtype(tmp_path: Path) -> None:
 def test_initial_load_path_starts_from_other_weights(tmp_path: Path, source_run: Path) -> None:
     source = source_run
     run = tmp_path / "run"
-    result = train(run, "--training.steps", "2", "--checkpoint.enable", "--checkpoint.initial_load_path",
-                   str(source / "checkpoint" / "step-4"))
+    result = train_to_the_end(run, *BASE, "--training.steps", "2", "--checkpoint.enable",
+                              "--checkpoint.initial_load_path", str(source / "checkpoint" / "step-4"))
     assert "model restored; not restored: dataloader, lr_scheduler, optimizer, rng, train_state" in result.stdout
     losses = losses_by_step(run)
     assert sorted(losses) == [1, 2]  # a fresh schedule and step count, from the trained weights
@@ -549,8 +540,8 @@ def hf_export(source_run: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
                             capture_output=True, text=True, timeout=300)
     assert export.returncode == 0, export.stdout + export.stderr
     from_dcp = tmp_path_factory.mktemp("from_dcp")
-    train(from_dcp, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
-          str(source_run / "checkpoint" / "step-4"))
+    train_to_the_end(from_dcp, *BASE, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_path",
+                     str(source_run / "checkpoint" / "step-4"))
     return hf_folder, losses_by_step(from_dcp)[1]
 
 
@@ -563,7 +554,8 @@ def test_initial_load_from_hugging_face_safetensors(tmp_path: Path, hf_export: t
     the DCP step folder itself."""
     hf_folder, from_dcp_loss = hf_export
     from_hf = tmp_path / "from_hf"
-    result = train(from_hf, "--training.steps", "1", "--checkpoint.enable", "--checkpoint.initial_load_in_hf",
-                   "--checkpoint.initial_load_path", str(hf_folder), *layout, nprocs=nprocs)
+    result = train_to_the_end(from_hf, *BASE, "--training.steps", "1", "--checkpoint.enable",
+                              "--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", str(hf_folder),
+                              *layout, nprocs=nprocs)
     assert "Loaded Hugging Face weights" in result.stdout
     assert losses_by_step(from_hf)[1] == pytest.approx(from_dcp_loss, rel=1e-6 if layout else 0)

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.experimental._attention import _HeadTailLoadBalancer
 
-from titan.models.common.attention import SDPAAttention, build_dense_mask, document_layout
+from titan.data.micro_batch import document_layout
+from titan.models.common.attention import SDPAAttention, build_dense_mask
 from titan.models.llama.args import ModelArgs
-from titan.models.llama.init import init_weights
 from titan.models.llama.model import Transformer
 from titan.parallel.cp import (
     ROTATE_METHODS,
@@ -27,6 +27,7 @@ from titan.parallel.cp import (
 )
 from titan.parallel.dims import destroy_distributed
 
+from harness.models import build_model
 from harness.torchrun import spawn_ranks
 
 CP = 2
@@ -117,11 +118,7 @@ def check_model_rows(mesh: DeviceMesh) -> None:
     """A block-causal model changed by apply_cp, given this rank's shard of the tokens, positions and document ids,
     returns this rank's rows of the unchanged model's logits: attention sees the whole sequence's documents, and
     the rotary table the positions of this rank's rows."""
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        full = Transformer(MODEL)
-    full.to_empty(device="cpu")
-    init_weights(full)
+    full = build_model(MODEL)
     sharded = Transformer(MODEL)
     sharded.load_state_dict(full.state_dict())
     apply_cp(sharded, mesh, "alltoall", block_causal=True)

@@ -52,22 +52,14 @@ from titan.data.tokenizer import (
     special_tokens_for,
 )
 
+from harness.documents import write_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return build_tokenizer(SHIPPED_TOKENIZER)
 
 
 @pytest.fixture(scope="module")
 def corpus() -> list[str]:
     return list(read_jsonl_documents(SHIPPED_CORPUS, origin="test"))
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 def stream_of(tokenizer: Tokenizer, texts: list[str]) -> list[int]:

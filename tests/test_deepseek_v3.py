@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.models.common.attention import build_dense_mask, document_layout
+from titan.data.micro_batch import document_layout
+from titan.models.common.attention import build_dense_mask
 from titan.models.common.flops import num_active_params, num_params
 from titan.models.common.loss import IGNORE_INDEX
 from titan.models.common.moe import MoEArgs, Router

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from harness.train_script import losses_by_step, metric_records, run_train, run_train_here
+from harness.train_script import losses_by_step, metric_records, train_to_the_end
 
 STEPS = 6
 # fp32, short sequences, a log record every step, checkpoints at steps 3 and 6
@@ -21,19 +21,11 @@ ONE_PROCESS = ["--training.local_batch_size", "4"]
 ONE_PROCESS_ACCUMULATING = ["--training.local_batch_size", "2", "--training.global_batch_size", "4"]
 
 
-def train(folder: Path, nprocs: int, *flags: str) -> str:
-    """A run that must finish: through ./run_train.sh on 2 processes, in this process on one (run_train_here)."""
-    args = [*BASE, "--job.dump_folder", str(folder), *flags]
-    result = run_train_here(*args) if nprocs == 1 else run_train(*args, env={"NGPU": str(nprocs)})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
 def resume_from_step_3(straight: Path, resumed: Path, nprocs: int, *flags: str) -> dict[int, float]:
     """Resume a copy of `straight`'s step-3 checkpoint with `flags`; the losses of the steps it trains."""
     (resumed / "checkpoint").mkdir(parents=True)
     shutil.copytree(straight / "checkpoint" / "step-3", resumed / "checkpoint" / "step-3")
-    output = train(resumed, nprocs, *flags)
+    output = train_to_the_end(resumed, *BASE, *flags, nprocs=nprocs).stdout
     restored = re.search(r"checkpoint/step-3: step 3, (.*) restored", output)
     assert restored and "dataloader" in restored.group(1).split(", "), output
     assert "data order restarts" not in output
@@ -54,8 +46,8 @@ def test_fsdp2_trains_on_one_process_samples_and_resumes_across_degrees(tmp_path
     checkpoint resumes on FSDP=2, each continuing the other's losses. The world size differs, so the RNG is not
     restored: the model has no dropout and the losses do not depend on it."""
     fsdp2, one = tmp_path / "fsdp2", tmp_path / "one"
-    train(fsdp2, 2, *FSDP2, *mixture)
-    train(one, 1, *ONE_PROCESS, *mixture)
+    train_to_the_end(fsdp2, *BASE, *FSDP2, *mixture, nprocs=2)
+    train_to_the_end(one, *BASE, *ONE_PROCESS, *mixture)
     fsdp2_losses, one_losses = losses_by_step(fsdp2), losses_by_step(one)
     assert sorted(fsdp2_losses) == list(range(1, STEPS + 1))
     assert [one_losses[s] for s in range(1, STEPS + 1)] == pytest.approx(

@@ -25,6 +25,7 @@ from titan.quant.formats import E4M3, E5M2
 
 from harness.debug_training import DEBUG_TOML, train, train_losses
 from harness.float8_codes import assert_codes_equal
+from harness.linears import sqnr_db
 from reference import float8_ref as ref
 
 RECIPE_NAMES = list(RECIPES)
@@ -50,12 +51,6 @@ PUBLISHED_RECIPES = {
 }
 FLOAT8_DTYPES = {ref.E4M3: E4M3, ref.E5M2: E5M2}
 TOKENS, IN_FEATURES, OUT_FEATURES = 32, 64, 48
-
-
-def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB."""
-    noise = (reference - approximation).float().norm()
-    return 20 * math.log10(reference.float().norm() / noise)
 
 
 def linear_pair(recipe_name: str, emulate: bool, seed: int = 0) -> tuple[nn.Linear, Float8Linear]:

@@ -25,6 +25,8 @@ from titan.quant.float8.casts import amax_to_scale
 from titan.quant.float8.linear import RECIPES, Float8Linear, cast_operands
 from titan.quant.formats import E4M3, E5M2
 
+from harness.linears import run_linear
+
 RECIPE_NAMES = list(RECIPES)
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 TOKENS, IN_FEATURES, OUT_FEATURES = 32, 64, 48
@@ -126,14 +128,6 @@ def test_every_operand_is_cast_as_torchao_casts_it(recipe_name: str, dtype: torc
             torch.testing.assert_close(scale, want_scale, rtol=0, atol=0, msg=lambda m: f"{label} scales: {m}")
             torch.testing.assert_close(data.view(torch.uint8), want_data.view(torch.uint8), rtol=0, atol=0,
                                        msg=lambda m: f"{label} float8 bytes: {m}")
-
-
-def run_linear(linear: nn.Linear, x: Tensor, grad: Tensor) -> dict[str, Tensor]:
-    """Output, grad_input and grad_weight of one forward and backward."""
-    x_leaf = x.clone().requires_grad_()
-    out = linear(x_leaf)
-    out.backward(grad)
-    return {"output": out.detach(), "grad_input": x_leaf.grad, "grad_weight": linear.weight.grad}
 
 
 def linear_with_weight(weight: Tensor) -> nn.Linear:

@@ -1,162 +1,61 @@
-"""Hugging Face interop on one process: Titan <-> LlamaForCausalLM weights (names, RoPE rows, vocab padding,
-config.json) through hf_io's DCP storage, malformed folders, --checkpoint.last_save_in_hf and
---checkpoint.initial_load_in_hf through train.py, and the convert/generate scripts end to end. The safetensors format
-itself is the `safetensors` package's; multi-rank layouts are tests/test_hf_sharded.py's."""
+"""Hugging Face checkpoints on one process: what every family's interop rests on (titan/checkpoint/hf.py, hf_io.py),
+on the Llama debug model. RoPE's row permutation against HF's rotate-half, a chunk's HF rows, config.json checks (in
+transformers 5's layout too), DCP model reads, malformed folders named with a fix, --checkpoint.initial_load_in_hf and
+--checkpoint.last_save_in_hf through train.py, and the convert and generate scripts end to end. The safetensors format
+itself is the `safetensors` package's. Each family's weights against transformers': tests/test_hf_llama.py,
+tests/test_hf_qwen3.py, tests/test_hf_deepseek_v3.py; multi-rank layouts: tests/test_hf_sharded.py."""
 
 import dataclasses
 import importlib
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import (
-    HF_CONFIG_FILE,
-    VOCAB_FQNS,
-    check_hf_config,
-    hf_config,
-    hf_names,
-    rotate_half_rows,
-    row_blocks,
-)
-from titan.checkpoint.hf_io import (
-    INDEX_FILE,
-    SHARDED_FOLDER,
-    inspect_folder,
-    read_hf_weights,
-    save_hf,
-)
+from titan.checkpoint.hf import HF_CONFIG_FILE, check_hf_config, hf_config, rotate_half_rows, row_blocks
+from titan.checkpoint.hf_io import INDEX_FILE, SHARDED_FOLDER, inspect_folder, read_hf_weights
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.loader import build_dataloader
+from titan.data.micro_batch import document_layout, mask_cross_document_targets
 from titan.data.tokenizer import build_tokenizer
-from titan.models.common.attention import Attention, document_layout
-from titan.models.common.loss import cross_entropy_loss, mask_cross_document_targets
-from titan.models.common.rotary import RopeScaling, apply_rotary_emb, precompute_rope_cache
+from titan.models.common.attention import Attention
+from titan.models.common.loss import cross_entropy_loss
+from titan.models.common.rotary import apply_rotary_emb, precompute_rope_cache
 from titan.models.families import FAMILIES
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs
-from titan.models.llama.init import init_weights
+from titan.models.llama.args import ModelArgs
 from titan.models.llama.model import Transformer
 
+from harness.hf_models import (
+    DEBUG,
+    SHORT_CONTEXT_SCALING,
+    SMALL_SHARD_BYTES,
+    TOKENIZER,
+    VOCAB,
+    assert_same_tensors,
+    expected_hf_tensors,
+    finish,
+    read_safetensors,
+    save_dcp,
+    start_python,
+    start_script,
+    transformers_logits,
+    with_zero_padding,
+)
+from harness.models import build_model
 from harness.train_script import losses_by_step, metric_records
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 2256  # the shipped tokenizer's odd size: padded to 2304, so the padding rows are exercised
-DEBUG = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB)
-TOKENIZER = build_tokenizer("tokenizers/titan_2256.tiktoken")
-# RoPE scaling that bites within a few dozen positions, so a wrong rope_scaling export shows in the logits.
-SHORT_CONTEXT_SCALING = RopeScaling(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                                    original_max_position_embeddings=64)
-# About 3 MB per layer in float32: the debug model's float32 export spreads over 6 files.
-SMALL_SHARD_BYTES = 4 * 10**6
 # The debug model on a tiny batch, fp32, a loss record every step: a train.py step takes well under a second.
 TINY_RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1",
             "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32"]
-
-
-def build(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Build on meta, materialise on CPU and init, as the trainer does."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        init_weights(model, buffer_device="cpu")
-    return model
-
-
-@pytest.fixture(scope="module")
-def debug_model() -> Transformer:
-    return build(DEBUG)
-
-
-@pytest.fixture(scope="module")
-def hf_folder(debug_model: Transformer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The debug model as a float32 Hugging Face folder in 6 shards. Read-only: tests that damage it copy it."""
-    folder = tmp_path_factory.mktemp("hf")
-    save_hf(debug_model.state_dict(), folder, DEBUG, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
-    return folder
-
-
-def with_zero_padding(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """`state_dict` with the padding rows of the embedding and output zeroed, as an HF import leaves them."""
-    padded = dict(state_dict)
-    for fqn in VOCAB_FQNS:
-        padded[fqn] = state_dict[fqn].clone()
-        padded[fqn][args.vocab_size:] = 0
-    return padded
-
-
-def expected_hf_tensors(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The HF tensors of a Titan state dict, whole tensors at a time from the layout in hf.py's docstring (the code
-    under test goes row block by row block): vocab rows cut at vocab_size, wq/wk rows moved to their HF rows."""
-    head_dim = args.dim // args.n_heads
-    tensors = {}
-    for fqn, hf_name in hf_names(args).items():
-        tensor = state_dict[fqn][:args.vocab_size] if fqn in VOCAB_FQNS else state_dict[fqn]
-        if fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
-            permuted = torch.empty_like(tensor)
-            permuted[rotate_half_rows(torch.arange(len(tensor)), head_dim)] = tensor
-            tensor = permuted
-        tensors[hf_name] = tensor
-    return tensors
-
-
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every .safetensors file in `folder`, read by the `safetensors` package."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
-def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(got[name], tensor), name
-
-
-def save_dcp(state: dict, folder: Path) -> None:
-    dcp.save(state, checkpoint_id=folder, no_dist=True)
-
-
-def test_titan_hf_titan_round_trip_is_exact(debug_model: Transformer, tmp_path: Path) -> None:
-    state_dict = debug_model.state_dict()
-    save_hf(state_dict, tmp_path, DEBUG, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
-    index = json.loads((tmp_path / INDEX_FILE).read_text())
-    shards = sorted(path.name for path in tmp_path.glob("*.safetensors"))
-    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
-    assert not (tmp_path / SHARDED_FOLDER).exists()  # the per-rank files are gone once consolidated
-
-    hf = read_safetensors(tmp_path)
-    assert len(hf) == len(state_dict) == 3 + 9 * DEBUG.n_layers
-    assert hf["model.embed_tokens.weight"].shape == hf["lm_head.weight"].shape == (VOCAB, DEBUG.dim)
-    assert torch.equal(hf["model.layers.3.mlp.gate_proj.weight"], state_dict["layers.3.feed_forward.w1.weight"])
-    assert torch.equal(hf["model.layers.3.mlp.up_proj.weight"], state_dict["layers.3.feed_forward.w3.weight"])
-    assert torch.equal(hf["model.layers.3.mlp.down_proj.weight"], state_dict["layers.3.feed_forward.w2.weight"])
-    assert torch.equal(hf["model.layers.0.self_attn.v_proj.weight"], state_dict["layers.0.attention.wv.weight"])
-    head_dim = DEBUG.dim // DEBUG.n_heads
-    wq = state_dict["layers.0.attention.wq.weight"]
-    assert not torch.equal(hf["model.layers.0.self_attn.q_proj.weight"], wq)
-    assert torch.equal(hf["model.layers.0.self_attn.q_proj.weight"][rotate_half_rows(torch.arange(len(wq)), head_dim)],
-                       wq)
-    assert_same_tensors(hf, expected_hf_tensors(state_dict, DEBUG))
-
-    back = read_hf_weights(tmp_path, DEBUG)
-    assert list(back) == list(state_dict)
-    assert_same_tensors(back, with_zero_padding(state_dict, DEBUG))
 
 
 def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
@@ -248,44 +147,6 @@ def test_config_in_transformers_5_layout_is_read(tmp_path: Path) -> None:
     check_hf_config({**config, "rope_parameters": parameters}, args, tmp_path / HF_CONFIG_FILE)
     with pytest.raises(ConfigError, match="rope_theta 10000.0"):
         check_hf_config({**config, "rope_parameters": {**parameters, "rope_theta": 10000.0}}, args, tmp_path)
-
-
-def test_tied_checkpoint_fills_the_output_layer(hf_folder: Path, tmp_path: Path) -> None:
-    """Meta's Llama 3.2 1B/3B ship tie_word_embeddings and no lm_head tensor, in one model.safetensors."""
-    tensors = read_safetensors(hf_folder)
-    del tensors["lm_head.weight"]
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    config = {**hf_config(DEBUG, torch.float32, bos_token_id=1, eos_token_id=2), "tie_word_embeddings": True}
-    (tmp_path / HF_CONFIG_FILE).write_text(json.dumps(config))
-    assert inspect_folder(tmp_path, DEBUG)["output.weight"] == "model.embed_tokens.weight"
-    loaded = read_hf_weights(tmp_path, DEBUG)
-    assert torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
-    assert torch.equal(loaded["output.weight"][:VOCAB], tensors["model.embed_tokens.weight"])
-
-
-def transformers_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
-    """LlamaForCausalLM.from_pretrained(folder) in float32 (whatever the files' dtype) on `tokens`."""
-    transformers = pytest.importorskip("transformers")
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
-    with torch.no_grad():
-        return hf_model(tokens).logits
-
-
-@pytest.mark.parametrize("rope_scaling", [None, SHORT_CONTEXT_SCALING], ids=["plain_rope", "llama3_scaling"])
-def test_transformers_logits_match(rope_scaling: RopeScaling | None, tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("transformers")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = dataclasses.replace(DEBUG, rope_scaling=rope_scaling, max_seq_len=128)
-    model = build(args, seed=1)
-    save_hf(model.state_dict(), tmp_path, args, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)  # sharded, with index
-    tokens = torch.randint(0, VOCAB, (2, 96), generator=torch.Generator().manual_seed(0))
-    hf_logits = transformers_logits(tmp_path, tokens)
-    with torch.no_grad():
-        titan_logits = model.user_logits(tokens)
-    # fp32 throughout; the two differ only in op order (RoPE in complex vs real arithmetic, SDPA vs eager).
-    torch.testing.assert_close(hf_logits, titan_logits, rtol=0, atol=1e-4)
 
 
 def test_read_model_weights_reads_only_the_model(debug_model: Transformer, tmp_path: Path) -> None:
@@ -408,23 +269,6 @@ def test_malformed_folder_names_the_file(case: str, hf_folder: Path, tmp_path: P
     assert file_name in message and expected in message, message
 
 
-def start_python(script: Path, *args: str) -> subprocess.Popen:
-    """Start a Python script from the repo root; the tests start independent runs together to save time."""
-    # One thread each: two or three runs share the CPU cores.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, str(script), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def start_script(name: str, *args: str) -> subprocess.Popen:
-    return start_python(ROOT / "scripts" / name, *args)
-
-
-def finish(process: subprocess.Popen) -> tuple[int, str, str]:
-    stdout, stderr = process.communicate(timeout=300)
-    return process.returncode, stdout, stderr
-
-
 def test_train_py_stops_on_a_truncated_shard(hf_folder: Path, tmp_path: Path) -> None:
     """--checkpoint.initial_load_in_hf on a damaged folder: exit 2 with the file named, and no checkpoint written."""
     folder = tmp_path / "hf"
@@ -459,7 +303,7 @@ def test_last_save_in_hf_loads_in_transformers_and_resumes_from_step_0(tmp_path:
         assert f.get_slice("lm_head.weight").get_dtype() == "BF16"
 
     args = dataclasses.replace(DEBUG, max_seq_len=32)
-    model = build(args)
+    model = build_model(args)
     model.load_state_dict(read_hf_weights(export, args))
     tokens = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     hf_logits = transformers_logits(export, tokens)

@@ -16,17 +16,22 @@ from safetensors.torch import save_file
 from titan.checkpoint.hf import hf_names
 from titan.checkpoint.hf_io import read_hf_weights, save_hf
 from titan.config.errors import ConfigError
-from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
 from titan.models.common.args import YarnScaling
 from titan.models.common.loss import cross_entropy_loss
 from titan.models.common.moe import MoEArgs
 from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, Transformer, init_weights
 
-from harness.hf_models import read_safetensors, transformers_model
+from harness.hf_models import (
+    TOKENIZER,
+    VOCAB,
+    read_safetensors,
+    sample_tokens,
+    spread_transformers_weights,
+    transformers_model,
+)
+from harness.models import build_for_comparison
 
-VOCAB = 2256  # the shipped tokenizer's odd size, padded to 2304
 HUB_ROWS = 2304  # a hub checkpoint's rows past the tokenizer's, as DeepSeek-V3's 129280 for 128815 tokens
-TOKENIZER = build_tokenizer(SHIPPED_TOKENIZER)
 # V2-Lite's YaRN (mscale = mscale_all_dim: no attention factor on the rotation, a softmax temperature).
 SMALL = DeepSeekV3Args(
     dim=64, n_layers=3, n_heads=4, n_kv_heads=4, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=16,
@@ -43,38 +48,13 @@ VARIANTS = {"query_projection": SMALL, "low_rank_query_mtp": LOW_RANK_MTP}
 LOGITS_TOLERANCE = {"rtol": 0.0, "atol": 2e-5}
 
 
-def build(args: DeepSeekV3Args, seed: int) -> Transformer:
-    """Build on meta, materialise and init as the trainer does; then draw every norm around 1, the routing bias
-    nonzero, and the router wider: init's norms of exactly 1 and zero bias would hide a misplaced one, and a router
-    near 0 gives choices that a rounding difference could flip."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        init_weights(model, buffer_device="cpu")
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            elif "router" in name:
-                param.normal_(0.0, 0.5)
-        for name, buffer in model.named_buffers():
-            if name.endswith("expert_bias"):
-                buffer.normal_(0.0, 0.3)
-    return model.eval()
-
-
-def sample_tokens(seq: int = 48) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
-
-
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def exported(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[DeepSeekV3Args, Transformer, torch.nn.Module, Path]:
     """(args, Titan model, the transformers model its export loads as, the folder)."""
     args = VARIANTS[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    model = build(args, seed=1)
+    model = build_for_comparison(args, seed=1, routing_bias=True)
     save_hf(model.state_dict(), folder, args, torch.float32, TOKENIZER)
     return args, model, transformers_model(folder), folder
 
@@ -143,15 +123,7 @@ def test_transformers_folder_with_mtp_layer_imports(tmp_path: Path, monkeypatch:
             "beta_slow": yarn.beta_slow, "mscale": yarn.mscale, "mscale_all_dim": yarn.mscale_all_dim})
     torch.manual_seed(2)
     hf_model = transformers.DeepseekV3ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():  # norms around 1 and a decisive router, as build() draws
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            else:
-                param.normal_(0.0, 0.5 if "mlp.gate." in name else 0.1)
-        for name, buffer in hf_model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.3)
+    spread_transformers_weights(hf_model)
     hf_model.save_pretrained(tmp_path)
     mtp_layer = f"model.layers.{args.n_layers}"
     mtp_tensors = {f"{mtp_layer}.eh_proj.weight": torch.randn(args.dim, 2 * args.dim),
@@ -164,7 +136,7 @@ def test_transformers_folder_with_mtp_layer_imports(tmp_path: Path, monkeypatch:
     fresh = Transformer(args)
     torch.manual_seed(0)  # read_hf_weights inits what the folder lacks under seed 0
     init_weights(fresh)
-    model = build(args, seed=3)
+    model = build_for_comparison(args, seed=3, routing_bias=True)
     model.load_state_dict(read_hf_weights(tmp_path, args))
     messages = [record.getMessage() for record in titan_records]
     assert any(f"holds {HUB_ROWS} vocabulary rows" in message for message in messages)

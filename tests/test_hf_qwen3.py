@@ -8,15 +8,11 @@ import dataclasses
 import importlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -24,17 +20,27 @@ from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import HF_CONFIG_FILE, hf_names, rotate_half_rows
 from titan.checkpoint.hf_io import load_hf, read_hf_weights, save_hf
 from titan.config.errors import ConfigError
-from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
 from titan.models.common.moe import MoEArgs
 from titan.models.families import FAMILIES
-from titan.models.qwen3 import Qwen3Args, Transformer, build_qwen3_args, init_weights
+from titan.models.qwen3 import Qwen3Args, build_qwen3_args
 from titan.parallel.dims import destroy_distributed
 
-from harness.hf_models import read_safetensors, transformers_model
+from harness.hf_models import (
+    TOKENIZER,
+    VOCAB,
+    assert_same_tensors,
+    finish,
+    read_safetensors,
+    sample_tokens,
+    save_dcp,
+    spread_transformers_weights,
+    start_script,
+    transformers_model,
+)
+from harness.models import build_for_comparison
 from harness.torchrun import spawn_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 2256  # the shipped tokenizer's odd size: padded to 2304, so the padding rows are exercised
 # head_dim 32, not dim / n_heads = 16, as in every published Qwen3 (128 apart from dim).
 DENSE = Qwen3Args(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, hidden_dim=96, vocab_size=VOCAB,
                   max_seq_len=64)
@@ -46,36 +52,10 @@ FLAVORS = {"dense": DENSE, "tied": TIED, "moe": MOE}
 HF_CLASSES = {"dense": "Qwen3ForCausalLM", "tied": "Qwen3ForCausalLM", "moe": "Qwen3MoeForCausalLM"}
 # Rows of a hub checkpoint's embedding, past the tokenizer's VOCAB, as Qwen's 151936 rows for 151669 tokens.
 HUB_ROWS = 2304
-TOKENIZER = build_tokenizer(SHIPPED_TOKENIZER)
 SMALL_SHARD_BYTES = 2 * 10**5  # a few files per export, so the index and several shards are exercised
 # fp32 on both sides; the models differ only in op order (RoPE on pairs vs halves, SDPA vs eager attention, the
 # experts' grouped matmul vs one matmul per expert). Measured: about 2e-6 on logits of magnitude up to 10.
 LOGITS_TOLERANCE = {"rtol": 0.0, "atol": 1e-5}
-
-
-def build(args: Qwen3Args, seed: int) -> Transformer:
-    """Build on meta, materialise and init as the trainer does; then draw every norm around 1 and the router wider.
-    Init sets the norms to exactly 1, which would hide a QK-norm weight in the wrong channel order, and a router
-    near 0 gives top-k choices that a rounding difference between the two implementations could flip."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    if args.tie_embeddings:
-        # to_empty gives each module a new parameter of its own (Module._apply off meta), which unties them.
-        model.output.weight = model.tok_embeddings.weight
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        init_weights(model, buffer_device="cpu")
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            elif "router" in name:
-                param.normal_(0.0, 0.5)
-    return model.eval()
-
-
-def sample_tokens(seq: int = 48) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
 
 
 def as_imported(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[str, torch.Tensor]:
@@ -89,17 +69,11 @@ def as_imported(state_dict: dict[str, torch.Tensor], args: Qwen3Args) -> dict[st
     return imported
 
 
-def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-
-
 @pytest.fixture(scope="module")
 def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The MoE model as a float32 folder in several files. Read-only: tests that change it copy it."""
     folder = tmp_path_factory.mktemp("moe")
-    save_hf(build(MOE, seed=0).state_dict(), folder, MOE, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
+    save_hf(build_for_comparison(MOE, seed=0).state_dict(), folder, MOE, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
     return folder
 
 
@@ -107,7 +81,7 @@ def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_export_loads_in_transformers(flavor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = FLAVORS[flavor]
-    model = build(args, seed=1)
+    model = build_for_comparison(args, seed=1)
     save_hf(model.state_dict(), tmp_path, args, torch.float32, TOKENIZER, SMALL_SHARD_BYTES)
     hf_model = transformers_model(tmp_path)
     assert type(hf_model).__name__ == HF_CLASSES[flavor]
@@ -135,15 +109,10 @@ def test_transformers_folder_imports(flavor: str, tmp_path: Path, monkeypatch: p
         hf_model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **shape, num_experts=args.moe.num_experts, num_experts_per_tok=args.moe.top_k,
             moe_intermediate_size=args.moe.hidden_dim, norm_topk_prob=True))
-    with torch.no_grad():
-        for name, param in hf_model.named_parameters():  # norms around 1 and a decisive router, as build() draws
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-            else:
-                param.normal_(0.0, 0.5 if "mlp.gate." in name else 0.1)
+    spread_transformers_weights(hf_model)
     hf_model.save_pretrained(tmp_path)
 
-    model = build(args, seed=3)
+    model = build_for_comparison(args, seed=3)
     model.load_state_dict(read_hf_weights(tmp_path, args))
     assert any(f"holds {HUB_ROWS} vocabulary rows" in record.getMessage() for record in titan_records)
     tokens = sample_tokens()
@@ -155,7 +124,7 @@ def test_transformers_folder_imports(flavor: str, tmp_path: Path, monkeypatch: p
 
 @pytest.mark.parametrize("args", [BALANCED_MOE, TIED], ids=["moe_with_expert_bias", "tied"])
 def test_export_layout_and_round_trip_are_exact(args: Qwen3Args, tmp_path: Path) -> None:
-    model = build(args, seed=4)
+    model = build_for_comparison(args, seed=4)
     with torch.no_grad():
         for layer in model.layers.values():
             if args.moe is not None:
@@ -255,8 +224,8 @@ def check_sharded_on_rank(rank: int, folder: str) -> None:
 
 
 def test_sharded_load_and_save_match_one_process(tmp_path: Path) -> None:
-    save_hf(build(BALANCED_MOE, seed=5).state_dict(), tmp_path / "single", BALANCED_MOE, torch.float32, TOKENIZER,
-            SMALL_SHARD_BYTES)
+    save_hf(build_for_comparison(BALANCED_MOE, seed=5).state_dict(), tmp_path / "single", BALANCED_MOE, torch.float32,
+            TOKENIZER, SMALL_SHARD_BYTES)
     spawn_ranks(check_sharded_on_rank, 2, str(tmp_path))
     assert_same_tensors(read_safetensors(tmp_path / "sharded"), read_safetensors(tmp_path / "single"))
     assert ((tmp_path / "sharded" / HF_CONFIG_FILE).read_text() == (tmp_path / "single" / HF_CONFIG_FILE).read_text())
@@ -264,26 +233,15 @@ def test_sharded_load_and_save_match_one_process(tmp_path: Path) -> None:
 
 # ---- the scripts ----
 
-def start_script(name: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread each: two run at once
-    return subprocess.Popen([sys.executable, str(ROOT / "scripts" / name), *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen) -> None:
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stdout + stderr
-
-
 def test_scripts_with_model_name_qwen3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """convert_to_hf.py and convert_from_hf.py (at once, each from a folder written here), and generate.py's model on
     an import, for the MoE debug flavor trained with the default --moe.load_balance_coeff: the checkpoint holds
     routing biases, which HF has no tensor for."""
     args = build_qwen3_args("debugmodel_moe", VOCAB, 64, 64, "sdpa", 1024, aux_loss_weight=0.0,
                             load_balance_coeff=1e-3)
-    model = build(args, seed=6)
+    model = build_for_comparison(args, seed=6)
     state_dict = model.state_dict()
-    dcp.save({"model": state_dict}, checkpoint_id=tmp_path / "step-1", no_dist=True)
+    save_dcp({"model": state_dict}, tmp_path / "step-1")
     save_hf(state_dict, tmp_path / "reference", args, torch.float32, TOKENIZER)
     flags = ("--", "--model.name", "qwen3", "--model.flavor", "debugmodel_moe")
     export = start_script("convert_to_hf.py", str(tmp_path / "step-1"), str(tmp_path / "hf"), "--dtype", "float32",
@@ -303,8 +261,9 @@ def test_scripts_with_model_name_qwen3(tmp_path: Path, monkeypatch: pytest.Monke
             assert new_id == int(model.user_logits(torch.tensor([prompt_ids]))[0, -1].argmax())
             prompt_ids.append(new_id)
 
-    finish(export)
-    finish(to_titan)
+    for process in (export, to_titan):
+        code, stdout, stderr = finish(process)
+        assert code == 0, stdout + stderr
     assert json.loads((tmp_path / "hf" / HF_CONFIG_FILE).read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
     assert_same_tensors(read_safetensors(tmp_path / "hf"), read_safetensors(tmp_path / "reference"))
     assert_same_tensors(read_model_weights(tmp_path / "dcp"), as_imported(state_dict, args))

@@ -1,11 +1,12 @@
 """Imports point one way. Between packages, down a table of layers: models < config < metrics, exits < quant,
-parallel, data < checkpoint < train < estimate < the entry points (titan/dry_run.py, titan/launch.py), the table of
-shared/tools/layers.py. Between modules, with no cycle anywhere in titan/ (titan/quant's order: formats <- kernels
-<- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter). Imports inside
-functions count: deferring one hides a cycle from Python, not from a reader who must follow it."""
+parallel, data < checkpoint < train < estimate < the entry points (titan/dry_run.py, titan/launch/), the table LAYERS
+below, which shared/tools/layers.py reads too. Between modules, with no cycle anywhere in titan/ (titan/quant's
+order: formats <- kernels <- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter).
+Imports inside functions count: deferring one hides a cycle from Python, not from a reader who must follow it."""
 
 import ast
 import graphlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,10 +26,9 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(path: Path, modules: set[str]) -> dict[str, int]:
-    """The `modules` that the file at `path` imports anywhere in it, each with the line of its first import;
-    `from package import name` imports the package and, when there is one, its submodule package.name."""
-    imported: dict[str, int] = {}
+def imported_names(path: Path) -> Iterator[tuple[str, int]]:
+    """Every name that the file at `path` imports anywhere in it, with its line: `import a.b` names a.b, and
+    `from package import name` names the package and package.name (its submodule, where there is one)."""
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
@@ -38,8 +38,15 @@ def imported_modules(path: Path, modules: set[str]) -> dict[str, int]:
         else:
             continue
         for name in names:
-            if name in modules:
-                imported.setdefault(name, node.lineno)
+            yield name, node.lineno
+
+
+def imported_modules(path: Path, modules: set[str]) -> dict[str, int]:
+    """The `modules` that the file at `path` imports anywhere in it, each with the line of its first import."""
+    imported: dict[str, int] = {}
+    for name, line in imported_names(path):
+        if name in modules:
+            imported.setdefault(name, line)
     return imported
 
 
@@ -58,7 +65,7 @@ def layer_package(module: str) -> str:
 def test_every_package_has_a_layer() -> None:
     packages = {layer_package(module) for module in import_graph(TITAN) if module != "titan"}
     assert packages <= LAYER_OF.keys(), (f"titan packages without a layer: {sorted(packages - LAYER_OF.keys())}. "
-                                         f"Place them in LAYERS (and in shared/tools/layers.py).")
+                                         f"Place them in LAYERS.")
 
 
 def test_imports_point_down_the_layers() -> None:
@@ -82,6 +89,17 @@ def test_imports_have_no_cycle() -> None:
     except graphlib.CycleError as error:
         pytest.fail(f"import cycle in titan: {' -> '.join(error.args[1])}. Move what both sides need down "
                     f"(format facts to titan/quant/formats.py, say), so imports run one way.")
+
+
+def test_models_import_nothing_from_parallel_or_other_stages() -> None:
+    """Model code knows nothing about parallelism (the house style's section 2): nothing under titan/models imports
+    torch.distributed or a Titan package other than titan.models."""
+    files = sorted((TITAN / "models").rglob("*.py"))
+    assert files
+    for path in files:
+        for name, _ in imported_names(path):
+            assert not name.startswith("torch.distributed"), f"{path} imports {name}"
+            assert not name.startswith("titan") or name.startswith("titan.models"), f"{path} imports {name}"
 
 
 def family_packages() -> set[str]:

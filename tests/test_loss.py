@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan.data.loader import Batch
+from titan.data.micro_batch import Batch
 from titan.models.common.loss import IGNORE_INDEX, OutputLoss, cross_entropy_sum
 from titan.train.step import TrainingStep
 

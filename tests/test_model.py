@@ -1,10 +1,11 @@
-"""Llama 3 model: shapes, published sizes, RoPE and GQA against references, causality, loss, init, FLOPs."""
+"""What the model families share (titan/models/common), on the Llama model: the padded vocabulary, RoPE (eager and
+compiled, Llama 3.1 scaling) and GQA against references, causality, the loss, parameter counts without the embedding,
+RMSNorm's rounding. (Each family's own model: tests/test_llama.py, tests/test_qwen3.py, tests/test_deepseek_v3.py;
+that models import nothing from the parallel stages: tests/test_imports.py.)"""
 
-import ast
 import dataclasses
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,64 +24,24 @@ from titan.models.common.rotary import (
     real_rotation,
     scale_rope_frequencies,
 )
-from titan.models.llama import LLAMA3_FLAVORS, ModelArgs, Transformer, ffn_hidden_dim, flops_per_token, init_weights
+from titan.models.llama import ModelArgs, Transformer
 from titan.models.llama.args import LLAMA31_ROPE_SCALING
 
+from harness.models import build_model
 from reference.rope_ref import complex_rope, complex_rotation_table
 
 VOCAB = 2256  # the shipped tokenizer's odd size
 SMALL = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=64)
 
 
-def build(args: ModelArgs, seed: int = 0) -> Transformer:
-    """Build on meta, materialise on CPU and init, as the trainer does."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    init_weights(model, buffer_device="cpu")
-    return model
-
-
 def test_logits_cover_padded_vocab() -> None:
-    model = build(SMALL)
+    model = build_model(SMALL)
     tokens = torch.randint(0, VOCAB, (2, 16))
     assert padded_vocab_size(VOCAB, 64) == 2304
     assert padded_vocab_size(2304, 64) == 2304
     assert model(tokens).shape == (2, 16, 2304)
     assert model.user_logits(tokens).shape == (2, 16, VOCAB)
     assert model.tok_embeddings.weight.shape == model.output.weight.shape == (2304, 64)
-
-
-@pytest.mark.parametrize(
-    ("flavor", "hidden"), [("debugmodel", 768), ("1B", 8192), ("3B", 8192), ("8B", 14336), ("70B", 28672),
-                           ("405B", 53248)]
-)
-def test_ffn_hidden_dim(flavor: str, hidden: int) -> None:
-    assert ffn_hidden_dim(LLAMA3_FLAVORS[flavor]) == hidden
-
-
-# Published counts with Llama 3's 128256 vocab (a multiple of 64, so no padding). 1B and 3B are
-# published tied; Titan keeps a separate output matrix, so compare without it.
-@pytest.mark.parametrize(
-    ("flavor", "published", "tied"),
-    [("1B", 1_235_814_400, True), ("3B", 3_212_749_824, True), ("8B", 8_030_261_248, False),
-     ("70B", 70_553_706_496, False), ("405B", 405_853_388_800, False)],
-)
-def test_flavor_parameter_counts(flavor: str, published: int, tied: bool) -> None:
-    with torch.device("meta"):
-        model = Transformer(LLAMA3_FLAVORS[flavor])
-    total = num_params(model, exclude_embedding=False)
-    if tied:
-        total -= model.output.weight.numel()
-    assert total == published
-
-
-def test_debugmodel_parameter_count() -> None:
-    with torch.device("meta"):
-        model = Transformer(dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=VOCAB))
-    assert num_params(model, exclude_embedding=False) == 5_901_568
-    assert num_params(model, exclude_embedding=True) == 5_901_568 - 2304 * 256
 
 
 def rotate_reference(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -216,7 +177,7 @@ def test_gqa_reads_kv_heads_in_place_as_expanded_copies_would(dtype: torch.dtype
 
 
 def test_future_tokens_do_not_change_earlier_logits() -> None:
-    model = build(SMALL)
+    model = build_model(SMALL)
     tokens = torch.randint(0, VOCAB, (1, 12))
     changed = tokens.clone()
     changed[0, 8:] = (tokens[0, 8:] + 1) % VOCAB
@@ -239,73 +200,12 @@ def test_loss_is_fp32_for_bf16_logits() -> None:
     assert cross_entropy_loss(logits, labels, VOCAB).dtype == torch.float32
 
 
-def test_meta_build_and_init_is_deterministic() -> None:
-    first, second = build(SMALL, seed=7), build(SMALL, seed=7)
-    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-    torch.testing.assert_close(first.rope.cache, precompute_rope_cache(SMALL))
-    assert not torch.equal(build(SMALL, seed=8).output.weight, first.output.weight)
-
-
-def test_init_stds() -> None:
-    args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=VOCAB)
-    model = build(args)
-    block0, block3 = model.layers["0"], model.layers["3"]
-    assert model.tok_embeddings.weight.std().item() == pytest.approx(1.0, rel=0.02)
-    assert block0.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert block0.feed_forward.w1.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert block0.attention.wo.weight.std().item() == pytest.approx(0.02 / 2**0.5, rel=0.05)
-    assert block3.feed_forward.w2.weight.std().item() == pytest.approx(0.02 / 8**0.5, rel=0.05)
-    # Truncation at 3 std trims the std to about 0.986 of dim**-0.5.
-    out = model.output.weight
-    assert out.std().item() == pytest.approx(0.986 / 16, rel=0.03)
-    assert out.abs().max().item() <= 3 / 16
-    assert torch.equal(block3.ffn_norm.weight, torch.ones(256)) and torch.equal(model.norm.weight, torch.ones(256))
-
-
-def test_init_without_depth_scaling() -> None:
-    args = ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=4, vocab_size=VOCAB, depth_init=False)
-    model = build(args)
-    for block in model.layers.values():
-        assert block.attention.wo.weight.std().item() == pytest.approx(0.02 / 8**0.5, rel=0.05)
-
-
-def test_flops_per_token_small_case() -> None:
-    # 1000 matmul params, 2 layers of dim 8, seq 16: 6*1000 + 12*2*8*16 = 6000 + 3072.
-    args = ModelArgs(dim=8, n_layers=2, n_heads=2, n_kv_heads=2)
-    assert flops_per_token(args, num_params=1000, seq_len=16) == 9072
-
-
 def test_num_params_excludes_only_embedding() -> None:
     with torch.device("meta"):
         model = Transformer(SMALL)
     total = sum(p.numel() for p in model.parameters())
     assert num_params(model, exclude_embedding=False) == total
     assert num_params(model, exclude_embedding=True) == total - 2304 * 64
-
-
-def imported_modules(path: Path, package: str) -> list[str]:
-    """Absolute names of everything `path` imports; relative imports resolved against `package`."""
-    names = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
-            module = ".".join(base + ([node.module] if node.module else []))
-            names += [module] + [f"{module}.{alias.name}" for alias in node.names]
-    return names
-
-
-def test_models_import_nothing_from_parallel_or_other_stages() -> None:
-    root = Path(__file__).resolve().parents[1]
-    files = sorted((root / "titan" / "models").rglob("*.py"))
-    assert files
-    for path in files:
-        package = ".".join(path.relative_to(root).parent.parts)
-        for name in imported_modules(path, package):
-            assert not name.startswith("torch.distributed"), f"{path} imports {name}"
-            assert not name.startswith("titan") or name.startswith("titan.models"), f"{path} imports {name}"
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

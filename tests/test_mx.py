@@ -18,12 +18,8 @@ from titan.quant.mx.blocked import to_blocked
 from titan.quant.mx.linear import MXLinear
 
 from harness.debug_training import DEBUG_TOML, train_losses
+from harness.linears import run_linear, sqnr_db
 from reference import float8_ref, mx_ref
-
-
-def sqnr_db(reference: Tensor, approximation: Tensor) -> float:
-    noise = (reference - approximation).float().norm()
-    return 20 * math.log10(reference.float().norm() / noise)
 
 
 def spec_mx_values(x: Tensor, dim: int) -> Tensor:
@@ -37,15 +33,6 @@ def spec_mx_values(x: Tensor, dim: int) -> Tensor:
     return values[..., :x.shape[dim]].movedim(-1, dim)
 
 
-def run_linear(module: nn.Module, x: Tensor, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    x = x.clone().requires_grad_()
-    out = module(x)
-    out.backward(grad)
-    weight_grad = module.weight.grad
-    module.weight.grad = None
-    return out.detach(), x.grad, weight_grad
-
-
 @pytest.mark.parametrize("tokens", [64, 37], ids=["whole-blocks", "padded-tokens"])
 def test_mx_linear_matches_spec_reference(tokens: int) -> None:
     """Each matmul is the product of the spec's MX values of both operands, blocked along its contraction dim;
@@ -54,7 +41,7 @@ def test_mx_linear_matches_spec_reference(tokens: int) -> None:
     linear = nn.Linear(64, 96, bias=False)
     mx = MXLinear.from_linear(linear, recipe_name="mxfp8", emulate=True)
     x, grad = torch.randn(tokens, 64) * 3, torch.randn(tokens, 96)
-    out, grad_input, grad_weight = run_linear(mx, x, grad)
+    out, grad_input, grad_weight = run_linear(mx, x, grad).values()
     weight = linear.weight.detach()
     torch.testing.assert_close(out, spec_mx_values(x, -1) @ spec_mx_values(weight, -1).t(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_input, spec_mx_values(grad, -1) @ spec_mx_values(weight, 0), rtol=1e-5, atol=1e-5)
@@ -68,7 +55,7 @@ def test_mx_linear_close_to_linear() -> None:
     mx = MXLinear.from_linear(nn.Linear(64, 96), recipe_name="mxfp8", emulate=True)
     mx.load_state_dict(linear.state_dict())
     x, grad = torch.randn(4, 8, 64), torch.randn(4, 8, 96)
-    for got, want in zip(run_linear(mx, x, grad), run_linear(linear, x, grad), strict=True):
+    for got, want in zip(run_linear(mx, x, grad).values(), run_linear(linear, x, grad).values(), strict=True):
         assert got.shape == want.shape
         assert sqnr_db(want, got) > 22
 
@@ -91,7 +78,7 @@ def test_compiled_mx_linear_matches_eager() -> None:
     eager = run_linear(mx, x, grad)
     torch._dynamo.reset()
     compiled = run_linear(torch.compile(mx, fullgraph=True), x, grad)
-    for got, want in zip(compiled, eager, strict=True):
+    for got, want in zip(compiled.values(), eager.values(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 

@@ -48,6 +48,8 @@ from titan.quant.nvfp4.numerics import (
     round_stochastically,
 )
 
+from harness.linears import run_linear
+
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 BLOCK = 16
 TOKENS, IN_FEATURES, OUT_FEATURES = 128, 128, 256
@@ -276,14 +278,6 @@ def linear_operands(dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     weight[:, 7] *= 20
     grad = with_outliers(TOKENS, OUT_FEATURES, generator).bfloat16()
     return x.to(dtype), weight.to(dtype), grad.to(dtype)
-
-
-def run_linear(linear: nn.Linear, x: Tensor, grad: Tensor) -> dict[str, Tensor]:
-    """Output, grad_input and grad_weight of one forward and backward; grad_output in the output's dtype."""
-    x_leaf = x.clone().requires_grad_()
-    out = linear(x_leaf)
-    out.backward(grad.to(out.dtype))
-    return {"output": out.detach(), "grad_input": x_leaf.grad, "grad_weight": linear.weight.grad}
 
 
 def with_weight(linear: nn.Linear, weight: Tensor) -> nn.Linear:

@@ -22,7 +22,7 @@ from titan.data.dataset import SHIPPED_CORPUS, read_jsonl_documents
 from titan.dry_run import documented_world_size
 from titan.models.common.loss import cross_entropy_loss
 from titan.models.families import FAMILIES
-from titan.models.llama import ModelArgs, Transformer, init_weights
+from titan.models.llama import ModelArgs, Transformer
 from titan.models.qwen3 import QWEN3_FLAVORS
 from titan.models.qwen3 import Transformer as Qwen3
 from titan.models.qwen3 import init_weights as init_qwen3
@@ -36,6 +36,7 @@ from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
 
 from harness.debug_training import NUM_LAYERS
+from harness.models import build_model
 from harness.parallel_harness import PROBE_CASE
 from harness.torchrun import CaseResults, run_cases
 
@@ -512,11 +513,7 @@ WHOLE_BLOCK_AC = {"full": ("full", "op"), "every2": ("selective", "2")}
 def build_small_model(ac: tuple[str, str, bool] | None, compiled: bool = False) -> Transformer:
     """A 4-block model checkpointed as `ac` says (mode, selective option, save_attention; None: no AC), then
     compiled if asked, in the trainer's order."""
-    with torch.device("meta"):
-        model = Transformer(SMALL_MODEL)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    init_weights(model, buffer_device="cpu")
+    model = build_model(SMALL_MODEL)
     if ac is not None:
         apply_ac(model, *ac)
     if compiled:

@@ -25,19 +25,17 @@ from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
 from titan.train.watchdog import Watchdog
 
+from harness.debug_training import build_trainer
 from harness.fsdp2_job import CHECKPOINT_INTERVAL, JOB, STEPS, launch_job
 from harness.train_script import ROOT, losses_by_step, metric_records
 
 STOP_STEP = 7
 """The step at which the stop tests send SIGTERM: after the checkpoint of step 5, before the run's end."""
-# harness/fsdp2_job.py's job, whose two-rank run the two-rank test compares with; one process here.
-SMALL = [*JOB[:JOB.index("--parallelism.data_parallel_shard_degree")]]
+# harness/fsdp2_job.py's job, whose two-rank run the two-rank test compares with, on one process here: its flags
+# between its job file (the debug model's, which build_trainer gives) and its FSDP degree.
+SMALL = JOB[JOB.index("--job.config_file") + 2:JOB.index("--parallelism.data_parallel_shard_degree")]
 CHECKPOINT = ["--checkpoint.enable", "--checkpoint.interval", str(CHECKPOINT_INTERVAL)]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
-
-
-def build_trainer(folder: Path, *flags: str) -> Trainer:
-    return Trainer(load_job_config([*SMALL, "--job.dump_folder", str(folder), *flags], world_size=1), world_size=1)
 
 
 def loaded_line(folder: Path, step: int) -> str:
@@ -88,7 +86,7 @@ def one_thread() -> Iterator[None]:
 def one_process_losses(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """Losses of the straight STEPS-step single-process run."""
     folder = tmp_path_factory.mktemp("straight")
-    build_trainer(folder).run()
+    build_trainer(folder, *SMALL).run()
     return losses_by_step(folder)
 
 
@@ -116,7 +114,7 @@ def test_sigterm_to_the_launcher_saves_and_the_rerun_resumes_exactly(tmp_path: P
     assert "Traceback" not in output
     assert LocalSteps(tmp_path / "checkpoint").complete_steps() == [5, STOP_STEP]
     num_stopped_records = len(metric_records(tmp_path))
-    build_trainer(tmp_path, *flags).run()  # the same flags, in this process
+    build_trainer(tmp_path, *SMALL, *flags).run()  # the same flags, in this process
     assert loss_steps_since(tmp_path, num_stopped_records) == list(range(STOP_STEP + 1, STEPS + 1))
     assert any(record.getMessage().startswith(loaded_line(tmp_path, STOP_STEP)) for record in titan_records)
     assert losses_by_step(tmp_path) == one_process_losses
@@ -150,7 +148,7 @@ def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monke
     with a straight run's losses, bit for bit."""
     flags = ["--training.steps", "6", *CHECKPOINT]
     folder = tmp_path / "run"
-    trainer = build_trainer(folder, *flags, "--job.time_limit", "1s")
+    trainer = build_trainer(folder, *SMALL, *flags, "--job.time_limit", "1s")
     act_after_step(trainer, 0, lambda: time.sleep(0.2), monkeypatch)
     assert run_main(trainer.run) == 4
     message = titan_records[-1].getMessage()
@@ -159,11 +157,11 @@ def test_time_limit_saves_and_stops_then_the_rerun_resumes(tmp_path: Path, monke
     assert stopped <= 5 and message.startswith(f"Stopped at step {stopped}:")
     assert f"Its checkpoint is {folder}/checkpoint/step-{stopped}; rerun the same command to resume." in message
     num_stopped_records = len(metric_records(folder))
-    build_trainer(folder, *flags).run()
+    build_trainer(folder, *SMALL, *flags).run()
     assert any(record.getMessage().startswith(loaded_line(folder, stopped)) for record in titan_records)
     assert loss_steps_since(folder, num_stopped_records) == list(range(stopped + 1, 7))
     # The STEPS-step straight run warms up over other steps (the warmup is cut to --training.steps): its own reference.
-    build_trainer(tmp_path / "straight", "--training.steps", "6").run()
+    build_trainer(tmp_path / "straight", *SMALL, "--training.steps", "6").run()
     assert losses_by_step(folder) == losses_by_step(tmp_path / "straight")
 
 
@@ -172,7 +170,7 @@ def test_stop_without_checkpoints_says_nothing_was_saved(tmp_path: Path, monkeyp
     """Ctrl-C (SIGINT) without --checkpoint.enable: the same clean stop, exit code 4, and the message says so."""
     # A shell starts background jobs (`bash .ci/run &`) with SIGINT ignored, and Titan leaves ignored signals alone.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    trainer = build_trainer(tmp_path, "--training.steps", "4")
+    trainer = build_trainer(tmp_path, *SMALL, "--training.steps", "4")
     act_after_step(trainer, 2, lambda: os.kill(os.getpid(), signal.SIGINT), monkeypatch)
     try:
         assert run_main(trainer.run) == 4

@@ -23,10 +23,10 @@ from titan.data.conversations import ASSISTANT, CONTEXT, LAST_ASSISTANT, Convers
 from titan.data.dataset import SHIPPED_CORPUS
 from titan.data.hf_tokenizer import build_tokenizer_config, build_tokenizer_json
 from titan.data.loader import build_dataloader, build_stream
+from titan.data.micro_batch import document_layout
 from titan.data.packing import ConversationWindows
 from titan.data.prepare import main as prepare_main
 from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
-from titan.models.common.attention import document_layout
 from titan.models.common.loss import IGNORE_INDEX
 from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.train.trainer import Trainer

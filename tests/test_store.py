@@ -20,22 +20,14 @@ from titan.data.cache import cache_dir, cached_store
 from titan.data.dataset import build_document_source
 from titan.data.loader import build_stream
 from titan.data.store import HEADER_BYTES, open_store, prepare_store
-from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
+from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer
 from titan.estimate.data_cost import data_report_lines, measure_data_cost
+
+from harness.documents import write_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["The first document.", "", "A second one, longer than the first by a few words.",
          "Third: \u00e9t\u00e9 \u2603."]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return build_tokenizer(SHIPPED_TOKENIZER)
-
-
-def write_jsonl(path: Path, texts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    return path
 
 
 def jsonl_source(path: Path):
@@ -229,7 +221,6 @@ def test_prepare_command(tmp_path: Path) -> None:
                               str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "x")], capture_output=True,
                              text=True, cwd=ROOT, timeout=120)
     assert missing.returncode == 2 and "--dataset_path" in missing.stderr + missing.stdout
-
 
 
 def test_dry_run_measures_the_rank_data_cost_on_the_job_stores_or_a_sample(tmp_path: Path,

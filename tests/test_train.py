@@ -22,19 +22,9 @@ from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_err
 from titan.train.step import TrainingStep
 from titan.train.trainer import Trainer
 
-from harness.debug_training import NUM_LAYERS
+from harness.debug_training import NUM_LAYERS, build_trainer
 from harness.nan_injection import nan_at
 from harness.trainer_probe import counting_host_reads
-
-ROOT = Path(__file__).resolve().parents[1]
-DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
-# Small enough for seconds per run: 64-token sequences, 4 per batch.
-SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1"]
-
-
-def build_trainer(tmp_path: Path, *args: str) -> Trainer:
-    argv = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(tmp_path), *SMALL, *args]
-    return Trainer(load_job_config(argv, world_size=1), world_size=1)
 
 
 def read_metrics(folder: Path) -> list[dict]:

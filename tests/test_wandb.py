@@ -11,9 +11,8 @@ import pytest
 
 from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.train.trainer import Trainer
 
-from harness.debug_training import DEBUG_TOML
+from harness.debug_training import build_trainer
 from harness.nan_injection import nan_at
 from harness.wandb_files import run_history
 
@@ -26,12 +25,9 @@ def offline_wandb(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_PROJECT", "titan-tests")
 
 
-def build_trainer(folder: Path, steps: int) -> Trainer:
-    flags = ["--job.config_file", DEBUG_TOML, "--job.dump_folder", str(folder), "--training.seq_len", "64",
-             "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--metrics.enable_wandb",
-             "--training.steps", str(steps), "--validation.enable", "--validation.freq", "3", "--validation.steps",
-             "1", "--training.on_nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "4"]
-    return Trainer(load_job_config(flags, world_size=1), world_size=1)
+# What the W&B run gets beyond the training records: evaluations every 3 steps, anomalies to skip, checkpoints.
+WANDB_JOB = ["--metrics.enable_wandb", "--validation.enable", "--validation.freq", "3", "--validation.steps", "1",
+             "--training.on_nonfinite", "skip", "--checkpoint.enable", "--checkpoint.interval", "4"]
 
 
 def wandb_runs(folder: Path) -> list[tuple[str, dict, list[dict]]]:
@@ -52,7 +48,7 @@ def test_wandb_run_matches_the_metrics_and_a_resume_continues_it(tmp_path: Path,
     """6 steps, NaN at step 2 (skipped), evaluations at 3 and 6, checkpoints at 4 and 6. Then the job is resumed
     from step 4 (as if it had stopped before saving step 6) for 8 steps: the same run id, steps 7 and 8 added,
     steps 5 and 6 (trained again) not logged twice."""
-    trainer = build_trainer(tmp_path, steps=6)
+    trainer = build_trainer(tmp_path, *WANDB_JOB, "--training.steps", "6")
     nan_at(trainer, {2}, monkeypatch.setattr)
     trainer.run()
     [(run_id, config, rows)] = wandb_runs(tmp_path)
@@ -73,7 +69,7 @@ def test_wandb_run_matches_the_metrics_and_a_resume_continues_it(tmp_path: Path,
     assert (tmp_path / "wandb" / f"last_step_{run_id}").read_text() == "6"
 
     shutil.rmtree(tmp_path / "checkpoint" / "step-6")
-    resumed = build_trainer(tmp_path, steps=8)
+    resumed = build_trainer(tmp_path, *WANDB_JOB, "--training.steps", "8")
     assert resumed.step == 4 and resumed.run_id == run_id
     resumed.run()
     first, second = wandb_runs(tmp_path)

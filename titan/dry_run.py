@@ -14,6 +14,7 @@ from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import parse_args
+from titan.config.print_config import print_config
 from titan.exits import run_main
 from titan.metrics.log import init_logger, logger
 
@@ -54,6 +55,21 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None) -> int:
     if problems:
         raise ConfigError(problems)
     return 0
+
+
+def print_or_dry_run(cfg: JobConfig, world_size: int, rank: int | None) -> bool:
+    """Do what --job.print_config or --job.dry_run asks instead of training; False when neither is set. `rank` is
+    this process's rank under torchrun (train.py): it prints on rank 0 only and simulates its own rank (run_train.sh
+    simulates rank 0 and the last itself). None is one process standing for the whole job before any rank starts
+    (the launcher): it prints, with no ranks running, and simulates the first and last rank, whatever NGPU is."""
+    if cfg.job.print_config:
+        if rank in (None, 0):
+            print_config(cfg, world_size)
+        return True
+    if cfg.job.dry_run:
+        dry_run(cfg, world_size, ranks=None if rank is None else [rank])
+        return True
+    return False
 
 
 def main(argv: list[str]) -> int:

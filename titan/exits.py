@@ -3,10 +3,10 @@
 Exit codes: 0 finished; 2 a user mistake (ConfigError: config, paths, data, checkpoints); 3 the run diverged
 (NonFiniteLossError); 4 stopped early by a signal or --job.time_limit, after saving (titan/train/preemption.py);
 5 hung (titan/train/watchdog.py); 6 a checkpoint save failed (titan/checkpoint/dcp.py); 7 the launcher's restart
-budget (--max-restarts) ran out (titan/launch.py). Known stops print their message and no traceback. A rank that
-stops tells its peers through the process group's store first: a peer whose next collective then fails (gloo:
-"Connection closed by peer") prints one line naming that rank and exits with the same code, instead of a traceback
-that buries the stopped rank's message.
+budget (--max-restarts) ran out (titan/launch/restarts.py). Known stops print their message and no traceback. A
+rank that stops tells its peers through the process group's store first: a peer whose next collective then fails
+(gloo: "Connection closed by peer") prints one line naming that rank and exits with the same code, instead of a
+traceback that buries the stopped rank's message.
 """
 
 import atexit
@@ -32,7 +32,7 @@ EXIT_SAVE_FAILED = 6
 """Writing a checkpoint failed after the run had started (a storage outage); nothing was published, and a rerun or an
 in-job restart resumes from the newest complete checkpoint."""
 EXIT_RESTARTS_SPENT = 7
-"""The launcher restarted the job --max-restarts times and it failed once more (titan/launch.py)."""
+"""The launcher restarted the job --max-restarts times and it failed once more (titan/launch/restarts.py)."""
 KNOWN_EXIT_CODES = (EXIT_USER_MISTAKE, EXIT_DIVERGED, EXIT_STOPPED_EARLY, EXIT_HUNG, EXIT_SAVE_FAILED)
 """Exit codes whose rank printed why it stopped (README "Troubleshooting")."""
 NOT_RETRIED = {EXIT_USER_MISTAKE: "a config or data mistake would fail again",

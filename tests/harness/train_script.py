@@ -64,6 +64,15 @@ def run_train(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
                           timeout=600)
 
 
+def train_to_the_end(folder: Path, *args: str, nprocs: int = 1) -> subprocess.CompletedProcess:
+    """A run of `args` in `folder` that must finish: on one process in this process (run_train_here), on more
+    through ./run_train.sh (NGPU=nprocs). A failed run fails the test with the end of its output."""
+    args = ("--job.dump_folder", str(folder), *args)
+    result = run_train_here(*args) if nprocs == 1 else run_train(*args, env={"NGPU": str(nprocs)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 def metric_records(folder: Path) -> list[dict]:
     """Every record of <folder>/metrics.jsonl, in order (a resumed run appends to it)."""
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]

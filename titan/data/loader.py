@@ -28,26 +28,14 @@ from titan.data.cache import cache_dir, cached_store
 from titan.data.chat_template import load_chat_template
 from titan.data.conversations import ConversationEncoder, ConversationSource, check_roles_method
 from titan.data.dataset import build_document_source
+from titan.data.micro_batch import Batch, as_batch
 from titan.data.packing import build_source_windows
 from titan.data.store import StoreSource, TokenStore, open_store, source_changes
 from titan.data.stream import SourceWindows, Windows, WindowStream
 from titan.data.tokenizer import Tokenizer
-from titan.models.common.loss import IGNORE_INDEX
 
 PREFETCH_BATCHES = 2
 """Batches prepared ahead of the step that trains on them."""
-
-Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-"""(inputs, labels, document ends), each (bs, seq): token ids, the next token ids with those that are no target made
-IGNORE_INDEX, and whether each input token is the last of its document."""
-
-
-def as_batch(windows: Windows) -> Batch:
-    """The batch of windows of seq_len + 1 tokens: a label is the next token where that token trains."""
-    tokens = torch.from_numpy(windows.tokens)
-    labels = tokens[:, 1:].masked_fill(torch.from_numpy(~windows.trains[:, 1:]), IGNORE_INDEX)
-    return tokens[:, :-1].contiguous(), labels, torch.from_numpy(windows.ends[:, :-1]).contiguous()
-
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:
     """`batch` on `device`, copied without waiting where it is in pinned memory."""

@@ -1,5 +1,4 @@
-"""Conversations packed whole into windows: a chat store's windows (titan/data/conversations.py), and which of their
-tokens train.
+"""Conversations packed whole into windows: a chat store's windows (titan/data/conversations.py).
 
 A document store is cut into windows back to back (titan/data/stream.py), so a document may start in one window and
 end in the next: harmless for pretraining, wrong for a conversation, whose answers would then train without the
@@ -8,8 +7,8 @@ conversations while they fit in seq_len + 1 tokens, and the rest of it is paddin
 never trains). A conversation longer than a window is truncated to one window of its own; one whose kept part has no
 token that trains under --chat.train_on is dropped. Both are counted, and logged once when the source opens.
 
-Which tokens train, from the store's roles: assistant, every assistant turn's tokens; last_assistant, only the last
-assistant turn's; all, every token of a conversation. The packing is computed from the store's document offsets when
+Which tokens train follows from the store's roles under --chat.train_on (titan/data/micro_batch.py trained_tokens),
+for the packing's counts as for each window's targets. The packing is computed from the store's document offsets when
 the source opens (once per process, a pass over the conversations), so it is the same on every rank and for every
 layout; shuffling, mixtures and resume then work on its windows as on a document store's.
 """
@@ -19,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from titan.config.errors import ConfigError
-from titan.data.conversations import CONTEXT, LAST_ASSISTANT
+from titan.data.micro_batch import trained_tokens
 from titan.data.store import TokenStore
 from titan.data.stream import SourceWindows, Windows
 from titan.metrics.log import logger
@@ -27,15 +26,6 @@ from titan.metrics.log import logger
 PAD_ID = 0
 """The token that fills a window after its last conversation. Its value is never read: padding is a document of its
 own (no conversation attends to it) and never a target."""
-
-
-def trained_tokens(roles: np.ndarray, train_on: str) -> np.ndarray:
-    """Which tokens of a conversation train, from their roles, under --chat.train_on `train_on`."""
-    if train_on == "all":
-        return np.ones(len(roles), dtype=bool)
-    if train_on == "last_assistant":
-        return roles == LAST_ASSISTANT
-    return roles != CONTEXT
 
 
 @dataclass

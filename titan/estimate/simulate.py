@@ -24,7 +24,8 @@ from titan.config.hardware import Accelerator, simulated_accelerator
 from titan.config.job import JobConfig, Model
 from titan.config.paths import resolve_path
 from titan.config.stages import ideal_bubble_fraction
-from titan.data.loader import Batch, batch_to
+from titan.data.loader import batch_to
+from titan.data.micro_batch import Batch
 from titan.data.tokenizer import build_tokenizer
 from titan.estimate.cuda_shim import build_cuda_shim
 from titan.estimate.data_cost import DataCost, measure_data_cost
@@ -37,7 +38,8 @@ from titan.models.families import FAMILIES
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.shards import local_shard
 from titan.train.anomalies import skips_update
-from titan.train.step import BuildMode, TrainingStep, build_training_step
+from titan.train.build import BuildMode, build_training_step
+from titan.train.step import TrainingStep
 
 
 @dataclass(frozen=True)
@@ -211,7 +213,7 @@ def declare_static_shapes(schedule: _PipelineSchedule) -> None:
 
 def simulate_rank(request: RankRequest) -> DryRunResult:
     """The simulation of one rank, in the process gpu_rank.py started for it: the fake process group, the trainer's
-    own build (titan/train/step.py) and two steps on fake tensors, on the simulated GPU's fake CUDA tensors under
+    own build (titan/train/build.py) and two steps on fake tensors, on the simulated GPU's fake CUDA tensors under
     its device rules (titan/estimate/fake_cuda.py). A real run's pipeline stages confirm with their neighbours that
     every stage was told its shapes, which a simulated rank has none of, so here its stages are declared static."""
     cfg, gpu = request.cfg, request.gpu

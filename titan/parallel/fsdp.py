@@ -81,16 +81,3 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, experts: str, param_dt
     logger.info(f"Applied FSDP2 over {tuple(mesh.shape)} ranks to the experts of {len(units)} MoE layers "
                 f"(reshard after forward: {reshard_after_forward})" + (", in host memory" if cpu_offload else ""))
 
-
-def apply_to_empty(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
-    """Allocate the storage of a meta-built (and sharded) model, uninitialised, on `device`; under `cpu_offload`
-    its parameters in host memory instead, where FSDP's first forward checks they are (a DTensor keeps the device it
-    was made on, so FSDP moving the local shards there itself does not pass), and its buffers, which forward reads on
-    the device, on the device."""
-    if not cpu_offload:
-        model.to_empty(device=device)
-        return
-    model.to_empty(device="cpu")
-    for module in model.modules():
-        for name, buffer in list(module.named_buffers(recurse=False)):
-            setattr(module, name, buffer.to(device))

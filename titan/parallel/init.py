@@ -1,12 +1,91 @@
-"""Weights that are the same whatever the parallel layout: where sharded random init cannot give them, each rank keeps
-its share of a full copy."""
+"""Materialise and initialise the weights: this rank's parts of a model built on meta and already parallelized get
+storage on the device, then the family's init from the seed. The weights are the same whatever the parallel layout:
+where sharded or staged random init cannot give them, each rank keeps its share of a full copy. The build
+(titan/train/build.py) calls init_weights, or allocate_weights where a dry run wants storage only."""
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titan.config.errors import ConfigError
+from titan.metrics.log import logger
+from titan.models.common.decoder import tie_output
+from titan.models.common.family import ModelFamily
 from titan.parallel.ac import model_fqn
+
+
+def init_weights(parts: list[nn.Module], family: ModelFamily, args: object, num_params: int, device: torch.device,
+                 seed: int, pipelined: bool, cpu_offload: bool) -> None:
+    """Materialise this rank's `parts` (its pipeline stages, or the whole model; possibly sharded) of a model of
+    `num_params` on the device and initialise them from the seed, with a single process's weights wherever a full
+    copy fits (needs_full_init)."""
+    if needs_full_init(parts[0], pipelined, cpu_offload):
+        if full_copy_fits(num_params, device):
+            full = build_full_model(family, args, device, seed)
+            for part in parts:
+                apply_to_empty(part, device, cpu_offload)
+                tie_output(part)
+                apply_full_init(part, full)
+            return
+        if cpu_offload:
+            raise ConfigError(f"--training.enable_cpu_offload initialises the weights from a float32 copy of the "
+                              f"whole model on the GPU ({num_params * 4 / 2**30:.1f} GiB), so that the shards in host "
+                              f"memory get a single process's values, and it does not fit the GPU's free memory. "
+                              f"Train this model without offload, on more GPUs "
+                              f"(--parallelism.data_parallel_shard_degree).")
+        # A model too large for one device: pipeline stages draw from streams of their own (the seed and their first
+        # block), so no two stages share random numbers; sharded parameters draw from DTensor's RNG tracker. Either
+        # way the weights are the seed's, but not a single process's, and another layout gets others.
+        logger.info(f"The whole model ({num_params * 4 / 2**30:.1f} GiB in float32) does not fit this device's free "
+                    f"memory to initialise a single process's weights from: each "
+                    f"{'pipeline stage' if pipelined else 'shard'} initialises from the seed by itself, so the "
+                    f"weights depend on the parallel layout.")
+    for part in parts:
+        if pipelined:
+            torch.manual_seed(seed + first_block(part))
+        materialize(family, part, device)
+
+
+def allocate_weights(parts: list[nn.Module], device: torch.device, cpu_offload: bool) -> None:
+    """Give this rank's parts storage only, no values: for fake tensors, which trunc_normal_ cannot read."""
+    for part in parts:
+        apply_to_empty(part, device, cpu_offload)
+
+
+def apply_to_empty(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Allocate the storage of a meta-built (and sharded) model, uninitialised, on `device`; under `cpu_offload`
+    its parameters in host memory instead, where FSDP's first forward checks they are (a DTensor keeps the device it
+    was made on, so FSDP moving the local shards there itself does not pass), and its buffers, which forward reads on
+    the device, on the device."""
+    if not cpu_offload:
+        model.to_empty(device=device)
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))
+
+
+def materialize(family: ModelFamily, model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-built model on the device and fill it with the family's init_weights."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        family.init_weights(model, device)
+
+
+def build_full_model(family: ModelFamily, args: object, device: torch.device, seed: int) -> nn.Module:
+    """An unsharded copy initialised exactly as a single process would initialise it."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        full = family.model(args)
+    materialize(family, full, device)
+    return full
+
+
+def first_block(part: nn.Module) -> int:
+    """The id of a pipeline stage's first transformer block (0 for the first stage, or one without blocks)."""
+    return min((int(layer_id) for layer_id in part.layers), default=0)
 
 
 def is_sharded(model: nn.Module) -> bool:

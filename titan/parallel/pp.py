@@ -13,8 +13,8 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 
 from titan.config.job import Parallelism
 from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
+from titan.data.micro_batch import MicroBatch
 from titan.metrics.log import logger
-from titan.models.common.batch import MicroBatch
 from titan.parallel.reductions import full_value
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.

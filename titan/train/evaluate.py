@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from titan.data.loader import Batch, batch_to
+from titan.data.loader import batch_to
+from titan.data.micro_batch import Batch
 
 
 @dataclass(frozen=True)

@@ -1,57 +1,30 @@
-"""What a training step runs on, built in the pipeline's order, and the step itself.
-
-build_training_step goes from the device mesh to the optimizer: model args, the loss, the model built on meta,
-converters, pipeline stages, TP/EP/CP/AC/compile/FSDP (titan/parallel/parallelize.py, with the family's parallel plan),
-weights, optimizer and LR schedule.
-The trainer (titan/train/trainer.py) builds it and adds data, checkpoints and metrics around it; the dry run
-(titan/estimate/simulate.py) builds the same on fake tensors. A stage added here is in both.
-"""
+"""The training step: forward and backward over a step's micro-batches, the global gradient norm with clipping, and
+the optimizer and LR-schedule step, on what the build (titan/train/build.py) made: this rank's model parts, the
+loss, the optimizer. The trainer (titan/train/trainer.py) says when it runs; the dry run runs the same step on fake
+tensors."""
 
 import contextlib
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titan.config.activation_checkpoint import keeps_attention
-from titan.config.degrees import accumulation_steps
 from titan.config.dtypes import to_dtype
-from titan.config.errors import ConfigError
-from titan.config.job import JobConfig, Training
-from titan.metrics.log import logger
+from titan.config.job import Training
+from titan.data.micro_batch import MicroBatch, to_micro_batch
 from titan.metrics.throughput import Mark, mark_now, seconds_between
-from titan.models.common.attention import document_layout, sequence_positions
-from titan.models.common.batch import MicroBatch
-from titan.models.common.decoder import tie_output
-from titan.models.common.family import BuildOptions, ModelFamily
-from titan.models.common.flops import num_params
-from titan.models.common.loss import mask_cross_document_targets, num_valid_targets
-from titan.models.families import FAMILIES
+from titan.models.common.family import ModelFamily
+from titan.models.common.loss import num_valid_targets
 from titan.parallel.cp import shard_batch
-from titan.parallel.dims import Meshes, ParallelDims, build_meshes
-from titan.parallel.fsdp import apply_to_empty
-from titan.parallel.init import apply_full_init, full_copy_fits, needs_full_init
-from titan.parallel.parallelize import parallelize_model
-from titan.parallel.pp import Pipeline, StageShapes, build_pipeline
+from titan.parallel.dims import Meshes, ParallelDims
+from titan.parallel.pp import Pipeline
 from titan.parallel.reductions import clip_grad_norm_, full_value, loss_sum
 from titan.parallel.shards import local_shard
 from titan.parallel.tp import loss_parallel_context
-from titan.quant.convert import Conversion, apply_converters
-from titan.train.expert_balance import NO_EXPERT_METRICS, ExpertBalancer, build_expert_balancer
-from titan.train.lr import build_lr_scheduler
-from titan.train.optim import build_optimizer
+from titan.quant.convert import Conversion
+from titan.train.expert_balance import NO_EXPERT_METRICS, ExpertBalancer
 from titan.train.readback import Readback
-
-
-def set_seed(seed: int, deterministic: bool) -> None:
-    """Same seed, same weights and same losses on CPU; deterministic also pins GPU kernels."""
-    torch.manual_seed(seed)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
 
 
 @dataclass(frozen=True)
@@ -131,13 +104,9 @@ class TrainingStep:
     def micro_batch(self, inputs: Tensor, labels: Tensor, document_ends: Tensor) -> MicroBatch:
         """A (bs, seq) batch of the loader as this rank's model reads it: document layout and masked targets under
         block-causal attention, then this rank's context-parallel shard."""
-        if not self.block_causal:
-            positions, document_ids = sequence_positions(inputs), None
-        else:
-            positions, document_ids = document_layout(document_ends)
-            labels = mask_cross_document_targets(labels, document_ends)
+        whole = to_micro_batch(inputs, labels, document_ends, self.block_causal)
         cp_mesh = self.meshes.cp if self.dims.cp_enabled else None
-        return MicroBatch(*shard_batch(cp_mesh, inputs, labels, positions, document_ids))
+        return MicroBatch(*shard_batch(cp_mesh, whole.inputs, whole.labels, whole.positions, whole.document_ids))
 
     def global_valid_targets(self, micro_batches: list[MicroBatch]) -> Tensor:
         """The valid targets of these micro-batches over every rank that holds loss shares (at least 1, so that a
@@ -257,174 +226,5 @@ class TrainingStep:
         if self.model_parts.pipeline is not None and not self.model_parts.pipeline.holds_last_stage:
             return loss_sum, torch.zeros((), device=self.device)
         return loss_sum, num_valid_targets(micro_batch.labels).float()
-
-
-@dataclass(frozen=True)
-class BuildMode:
-    """How build_training_step builds: for training (the defaults), or as the dry run simulates a GPU rank
-    (titan/estimate/simulate.py's mode). Each choice a simulation makes is a field here, and reaches the model and
-    the optimizer as an argument: neither asks whether its tensors are fake."""
-
-    fake_mode: FakeTensorMode | None = None
-    """From the weights on, every tensor is a fake tensor of this mode: shapes, dtypes and devices, no values."""
-    compile: bool = True
-    """Honour --compile.enable. Off for fake tensors: torch.compile runs real kernels. Checkpointed blocks still keep
-    attention as the requested compile setting would."""
-    flex_as_causal_sdpa: bool = False
-    """Run causal flash SDPA where the job asks for FlexAttention: a BlockMask is built from the batch's values."""
-    init_weights: bool = True
-    """Fill the weights; off: give them storage only (trunc_normal_ reads data, which fake tensors have none of)."""
-    valueless: bool = False
-    """Tensors carry no values: mixtures of experts spread their tokens evenly where the host reads counts
-    (MoEArgs.valueless), and the bfloat16-state optimizer's update runs eagerly."""
-
-
-def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,
-                        mode: BuildMode = BuildMode()) -> TrainingStep:
-    """Everything a training step runs on, from the device mesh to the LR schedule, for a process that has joined
-    its process group. `mode`: for training, or the dry run's simulation (BuildMode)."""
-    meshes = build_meshes(dims, device)
-    set_seed(cfg.training.seed, cfg.training.deterministic and mode.fake_mode is None)
-    compile_cfg = cfg.compile if mode.compile else replace(cfg.compile, enable=False)
-    attn_backend, block_causal = cfg.model.attn_backend, cfg.model.attn_mask_type == "block_causal"
-    if mode.flex_as_causal_sdpa and attn_backend == "flex":
-        # A FlexAttention block mask is built from the batch's values, which fake tensors have none of. Causal flash
-        # SDPA stands in: the same memory (outputs and log-sum-exps) and the causal half of the attention work, which
-        # bounds FlexAttention's block-causal work from above (it skips every masked block). Under context parallel
-        # the model's kernel is replaced by the context-parallel attention, block-causal as on the GPU.
-        attn_backend, block_causal = "sdpa", block_causal and dims.cp_enabled
-        logger.info("Dry run: FlexAttention is simulated by causal flash attention (same memory; its causal half of "
-                    "the attention FLOPs bounds block-causal work from above).")
-    accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
-    family = FAMILIES[cfg.model.name]
-    args = family.build_args(cfg.model.flavor, BuildOptions(
-        vocab_size=vocab_size, vocab_size_multiple_of=cfg.model.vocab_size_multiple_of,
-        max_seq_len=cfg.training.seq_len, attn_backend=attn_backend, loss_chunk_size=cfg.training.loss_chunk_size,
-        moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
-        moe_load_balance_coeff=cfg.moe.load_balance_coeff, mtp_loss_weight=cfg.training.mtp_loss_weight,
-        valueless=mode.valueless))
-    loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
-    keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.compile.enable,
-                                     on_gpu=device.type == "cuda")
-    parallelize = functools.partial(parallelize_model, plan=family.parallel_plan, dims=dims, meshes=meshes,
-                                    par=cfg.parallelism, ac=cfg.activation_checkpoint, train=cfg.training,
-                                    compile_cfg=compile_cfg, keep_attention=keep_attention, block_causal=block_causal)
-    model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
-    with mode.fake_mode or contextlib.nullcontext():
-        if mode.init_weights:
-            init_model_weights(model_parts, device, cfg.training.seed, pipelined=dims.pp_enabled,
-                               cpu_offload=cfg.training.enable_cpu_offload)
-        else:
-            for part in model_parts.parts:
-                apply_to_empty(part, device, cfg.training.enable_cpu_offload)
-        model_parts.model.train()
-        optimizer = build_optimizer(model_parts.model, cfg.optimizer, compile_update=not mode.valueless)
-        lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
-    return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
-                        block_causal=block_causal, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                        grad_accumulation_steps=accumulation_steps, loss_parallel=loss_parallel,
-                        balancer=build_expert_balancer(model_parts.model, getattr(args, "moe", None),
-                                                       cfg.moe.load_balance_coeff,
-                                                       meshes.loss if meshes is not None else None, device))
-
-
-def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:
-    """Forward passes each layer makes per optimizer step: one per accumulation step, or under pipeline parallel
-    one per pipeline micro-batch of each."""
-    if cfg.parallelism.pipeline_parallel_degree == 1:
-        return accumulation_steps
-    return accumulation_steps * cfg.training.local_batch_size // cfg.parallelism.pipeline_parallel_microbatch_size
-
-
-def count_accumulation_steps(training: Training, dp_degree: int) -> int:
-    """Micro-batches per optimizer step (titan/config/degrees.py accumulation_steps), said in the log when the
-    global batch sets them."""
-    steps = accumulation_steps(training, dp_degree)
-    if training.global_batch_size != -1:
-        logger.info(f"Global batch {training.global_batch_size}: {steps} gradient accumulation steps of "
-                    f"{training.local_batch_size} sequences on each of {dp_degree} data-parallel ranks")
-    return steps
-
-
-def build_model(cfg: JobConfig, dims: ParallelDims, meshes: Meshes | None, family: ModelFamily, args: object,
-                device: torch.device, parallelize: Callable[[nn.Module], None]) -> ModelParts:
-    """The model built on meta, converted, split into this rank's pipeline stages (with the schedule) and
-    parallelized; not yet materialised."""
-    with torch.device("meta"):
-        model = family.model(args)
-    total_params = num_params(model, exclude_embedding=False)
-    logger.info(family.describe(cfg.model.flavor, args, model))
-    fqns = frozenset(model.state_dict())  # parameters and persistent buffers (a router's expert bias)
-    flops = family.flops_per_token(args, model, cfg.training.seq_len)
-    conversion = apply_converters(model, cfg.model.converters, cfg.float8, cfg.mx, cfg.nvfp4, dims.tp,
-                                  fsdp_enabled=dims.dp_enabled, print_after_conversion=cfg.model.print_after_conversion)
-    if dims.pp_enabled:
-        # The residual stream crosses stages in FSDP's compute dtype; autocast without FSDP keeps it float32.
-        residual_dtype = to_dtype(cfg.training.mixed_precision_param) if dims.dp_enabled else torch.float32
-        shapes = StageShapes(microbatch_size=cfg.parallelism.pipeline_parallel_microbatch_size,
-                             seq_len=cfg.training.seq_len, cp=dims.cp, tp=dims.tp, dim=args.dim,
-                             residual_dtype=residual_dtype)
-        pipeline = build_pipeline(model, meshes.pp, cfg.parallelism, cfg.training.local_batch_size, device,
-                                  parallelize, shapes)
-        parts, whole = pipeline.parts, pipeline.model
-    else:
-        parallelize(model)
-        pipeline, parts, whole = None, [model], model
-    return ModelParts(family=family, args=args, parts=parts, model=whole, pipeline=pipeline, conversion=conversion,
-                      fqns=fqns, num_params=total_params, num_active_params=family.num_active_params(args, model),
-                      flops_per_token=flops)
-
-
-def init_model_weights(model_parts: ModelParts, device: torch.device, seed: int, pipelined: bool,
-                       cpu_offload: bool) -> None:
-    """Materialise the (possibly sharded or pipelined) model on the device and initialise it from the seed."""
-    parts = model_parts.parts
-    family = model_parts.family
-    if needs_full_init(parts[0], pipelined, cpu_offload):
-        if full_copy_fits(model_parts.num_params, device):
-            full = build_full_model(family, model_parts.args, device, seed)
-            for part in parts:
-                apply_to_empty(part, device, cpu_offload)
-                tie_output(part)
-                apply_full_init(part, full)
-            return
-        if cpu_offload:
-            raise ConfigError(f"--training.enable_cpu_offload initialises the weights from a float32 copy of the "
-                              f"whole model on the GPU ({model_parts.num_params * 4 / 2**30:.1f} GiB), so that the "
-                              f"shards in host memory get a single process's values, and it does not fit the GPU's "
-                              f"free memory. Train this model without offload, on more GPUs "
-                              f"(--parallelism.data_parallel_shard_degree).")
-        # A model too large for one device: pipeline stages draw from streams of their own (the seed and their first
-        # block), so no two stages share random numbers; sharded parameters draw from DTensor's RNG tracker. Either
-        # way the weights are the seed's, but not a single process's, and another layout gets others.
-        logger.info(f"The whole model ({model_parts.num_params * 4 / 2**30:.1f} GiB in float32) does not fit this "
-                    f"device's free memory to initialise a single process's weights from: each "
-                    f"{'pipeline stage' if pipelined else 'shard'} initialises from the seed by itself, so the "
-                    f"weights depend on the parallel layout.")
-    for part in parts:
-        if pipelined:
-            torch.manual_seed(seed + first_block(part))
-        materialize(family, part, device)
-
-
-def first_block(part: nn.Module) -> int:
-    """The id of a pipeline stage's first transformer block (0 for the first stage, or one without blocks)."""
-    return min((int(layer_id) for layer_id in part.layers), default=0)
-
-
-def build_full_model(family: ModelFamily, args: object, device: torch.device, seed: int) -> nn.Module:
-    """An unsharded copy initialised exactly as a single process would initialise it."""
-    torch.manual_seed(seed)
-    with torch.device("meta"):
-        full = family.model(args)
-    materialize(family, full, device)
-    return full
-
-
-def materialize(family: ModelFamily, model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-built model on the device and fill it with the family's init_weights."""
-    model.to_empty(device=device)
-    with torch.no_grad():
-        family.init_weights(model, device)
 
 

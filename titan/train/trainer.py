@@ -1,4 +1,4 @@
-"""The training loop. __init__ reads as the pipeline: the shared build (titan/train/step.py: mesh through
+"""The training loop. __init__ reads as the pipeline: the shared build (titan/train/build.py: mesh through
 optimizer), then data, checkpoints and metrics; run() is the loop; train_step() queues one step and finishes the
 one before it (finish_step: the host's part, a step late, so that the host never waits for the device)."""
 
@@ -17,7 +17,8 @@ from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import to_toml
 from titan.config.paths import checkpoint_root
-from titan.data.loader import Batch, batch_to, build_dataloader, build_validation_batches
+from titan.data.loader import batch_to, build_dataloader, build_validation_batches
+from titan.data.micro_batch import Batch, MicroBatch
 from titan.data.tokenizer import build_tokenizer
 from titan.exits import KnownStop
 from titan.metrics.goodput import (
@@ -32,16 +33,15 @@ from titan.metrics.log import current_rank, logger
 from titan.metrics.profiling import build_memory_snapshotter, maybe_profile
 from titan.metrics.sinks import build_sinks
 from titan.metrics.throughput import ThroughputMeter
-from titan.models.common.batch import MicroBatch
 from titan.parallel.dims import build_device, data_parallel_rank, init_distributed, resolve_dims, set_collective_timeout
 from titan.train.anomalies import Anomaly, AnomalyGuard
+from titan.train.build import build_training_step
 from titan.train.evaluate import EvalResult, evaluate
 from titan.train.faults import FaultInjector
 from titan.train.garbage import ScheduledCollector
 from titan.train.nan_guard import stop_hints
 from titan.train.preemption import Stopper
 from titan.train.readback import Readback
-from titan.train.step import build_training_step
 from titan.train.stragglers import StragglerWatch
 
 

@@ -4,7 +4,8 @@ Sequences are windows of documents (or conversations) packed back to back; the l
 document, from the token store's document offsets rather than from token ids (a chat template may write the EOS id
 inside a conversation). Causal attention lets a token read every earlier token of its sequence; block-causal
 attention only the earlier tokens of its own document (Llama 3's recipe), with rotary positions that restart at every
-document. `document_layout` makes both from the document ends; the model takes them as inputs, so a later stage can
+document. The micro-batch (titan/data/micro_batch.py document_layout) makes both from the document ends; the model
+takes them as inputs, so a later stage can
 shard them with the tokens (context parallel) or hand them to every pipeline stage.
 
 Each block's kernel is a parameter-free module, `attention.inner_attention`, and the model builds what the kernel
@@ -30,20 +31,6 @@ from titan.models.common.rotary import apply_rotary_emb
 # kernel or mask is first used, so that a process that only checks a config (the launcher, `--help`) starts without it.
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
-
-def document_layout(document_ends: Tensor) -> tuple[Tensor, Tensor]:
-    """(positions, document ids) of a batch whose tokens (bs, seq) end their documents where `document_ends` (bs,
-    seq, bool) is set, each (bs, seq) int64: a document starts right after every end and at the window's first token
-    (a document cut by the window's start), its positions count from 0 there, and document ids count the documents
-    of each row from 0."""
-    bs, seq = document_ends.shape
-    starts = torch.zeros_like(document_ends)
-    starts[:, 1:] = document_ends[:, :-1]
-    starts[:, 0] = True
-    index = torch.arange(seq, device=document_ends.device).expand(bs, seq)
-    last_start = torch.where(starts, index, 0).cummax(dim=1).values  # (bs, seq): where each token's document starts
-    return index - last_start, starts.cumsum(dim=1) - 1
-
 
 def sequence_positions(tokens: Tensor) -> Tensor:
     """Positions 0 .. seq - 1 of every row of token ids (bs, seq): the causal mask's positions, (bs, seq)."""

@@ -3,8 +3,8 @@ its args and model, its weight init and FLOP count, its parallel plan and its Hu
 folder defines its spec (family.py); titan/models/families.py registers them."""
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -36,6 +36,27 @@ class BuildOptions:
     says."""
 
 
+ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
+
+
+def args_with_options(args: ArgsT, options: BuildOptions) -> ArgsT:
+    """A flavor's `args` with what the job sets: the vocabulary, the rotary table's length, the attention kernel and
+    the loss's chunking in every family; on a mixture of experts (args.moe, in the families and flavors that have
+    one) the balancing options and `valueless`; the multi-token prediction loss's weight where the flavor has MTP
+    modules (elsewhere the flavor's, 0)."""
+    fields: dict[str, Any] = {
+        "vocab_size": options.vocab_size, "vocab_size_multiple_of": options.vocab_size_multiple_of,
+        "max_seq_len": options.max_seq_len, "attn_backend": options.attn_backend,
+        "loss_chunk_size": options.loss_chunk_size}
+    moe = getattr(args, "moe", None)
+    if moe is not None:
+        fields["moe"] = replace(moe, aux_loss_weight=options.moe_aux_loss_weight,
+                                load_balance_coeff=options.moe_load_balance_coeff, valueless=options.valueless)
+    if args.mtp_depth > 0:
+        fields["mtp_loss_weight"] = options.mtp_loss_weight
+    return replace(args, **fields)
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One family: flavors by name, the functions the pipeline calls on its args and models, and how the parallel
@@ -46,7 +67,6 @@ class ModelFamily:
     args_type: type[DecoderArgs]
     """The class of its args (every flavor's)."""
     flavors: Mapping[str, Any]
-    build_args: Callable[[str, BuildOptions], Any]
     model: Callable[[Any], nn.Module]
     """Builds the whole model from args (on the current default device: meta in the trainer)."""
     init_weights: Callable[[nn.Module, torch.device | str | None], None]
@@ -61,6 +81,10 @@ class ModelFamily:
     """How the parallel stages split its modules (titan/models/common/parallel_plan.py)."""
     hf_mapping: Callable[[Any], HFMapping]
     """The transformers class that holds a model of these args."""
+
+    def build_args(self, flavor: str, options: BuildOptions) -> Any:
+        """The flavor's args with the job's options (args_with_options)."""
+        return args_with_options(self.flavors[flavor], options)
 
     def describe(self, flavor: str, args: Any, model: nn.Module) -> str:
         """One line for the log: the family, flavor, sizes and parameter counts."""

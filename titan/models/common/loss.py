@@ -21,14 +21,6 @@ LogitsLoss = Callable[[Tensor, Tensor], Tensor]
 """The summed loss of logits (..., padded_vocab) against labels (...), over the real vocabulary."""
 
 
-def mask_cross_document_targets(labels: Tensor, document_ends: Tensor) -> Tensor:
-    """`labels` with the target of every input that ends its document made IGNORE_INDEX: under block-causal
-    attention a document's last token (its EOS) cannot see the next document, so that document's first token (its
-    BOS, where the tokenizer has one) is no target. The last token itself stays a target: ending a document is what
-    the model learns from it."""
-    return labels.masked_fill(document_ends, IGNORE_INDEX)
-
-
 def num_valid_targets(labels: Tensor) -> Tensor:
     """How many labels are targets (not IGNORE_INDEX), as an int64 tensor on the labels' device."""
     return (labels != IGNORE_INDEX).sum()

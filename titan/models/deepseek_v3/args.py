@@ -3,7 +3,7 @@ shape as torchtitan's 16B, and CPU-sized debug flavors), without building a mode
 
 from dataclasses import dataclass, replace
 
-from titan.models.common.args import AttnBackend, DecoderArgs, YarnScaling
+from titan.models.common.args import DecoderArgs, YarnScaling
 from titan.models.common.moe import MoEArgs
 
 # DeepSeek-V3's vocabulary as its checkpoints store it (128,815 tokens padded to 129,280 rows). The flavor table uses
@@ -82,16 +82,3 @@ DEEPSEEK_V3_FLAVORS: dict[str, DeepSeekV3Args] = {
 }
 DEEPSEEK_V3_FLAVORS["671B_mtp"] = replace(DEEPSEEK_V3_FLAVORS["671B"], mtp_depth=1)
 
-
-def build_deepseek_v3_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
-                           attn_backend: AttnBackend, loss_chunk_size: int, aux_loss_weight: float,
-                           load_balance_coeff: float, mtp_loss_weight: float,
-                           valueless: bool = False) -> DeepSeekV3Args:
-    """The flavor's shape with a tokenizer's vocab, a rotary table of max_seq_len positions, an attention kernel,
-    the output loss's chunk size, the load-balancing settings, the multi-token prediction loss's weight and whether
-    the tensors carry no values (MoEArgs.valueless)."""
-    args = DEEPSEEK_V3_FLAVORS[flavor]
-    moe = replace(args.moe, aux_loss_weight=aux_loss_weight, load_balance_coeff=load_balance_coeff, valueless=valueless)
-    return replace(args, vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of, max_seq_len=max_seq_len,
-                   attn_backend=attn_backend, loss_chunk_size=loss_chunk_size, moe=moe,
-                   mtp_loss_weight=mtp_loss_weight if args.mtp_depth else 0.0)

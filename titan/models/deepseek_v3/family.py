@@ -2,24 +2,14 @@
 
 from torch import nn
 
-from titan.models.common.family import BuildOptions, ModelFamily
+from titan.models.common.family import ModelFamily
 from titan.models.common.flops import num_active_params
 from titan.models.common.parallel_plan import ParallelPlan
-from titan.models.deepseek_v3.args import (
-    DEEPSEEK_V3_FLAVORS,
-    DeepSeekV3Args,
-    build_deepseek_v3_args,
-)
+from titan.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from titan.models.deepseek_v3.flops import flops_per_token
 from titan.models.deepseek_v3.hf import hf_mapping
 from titan.models.deepseek_v3.init import init_weights
 from titan.models.deepseek_v3.model import Transformer
-
-
-def build_args(flavor: str, options: BuildOptions) -> DeepSeekV3Args:
-    return build_deepseek_v3_args(flavor, options.vocab_size, options.vocab_size_multiple_of, options.max_seq_len,
-                                  options.attn_backend, options.loss_chunk_size, options.moe_aux_loss_weight,
-                                  options.moe_load_balance_coeff, options.mtp_loss_weight, options.valueless)
 
 
 def active_params(args: DeepSeekV3Args, model: nn.Module) -> int:
@@ -35,7 +25,7 @@ def tensor_parallel_sizes(args: DeepSeekV3Args) -> list[tuple[str, int]]:
 PLAN = ParallelPlan(tensor_parallel={})
 
 DEEPSEEK_V3 = ModelFamily(
-    name="deepseek_v3", args_type=DeepSeekV3Args, flavors=DEEPSEEK_V3_FLAVORS, build_args=build_args,
+    name="deepseek_v3", args_type=DeepSeekV3Args, flavors=DEEPSEEK_V3_FLAVORS,
     model=Transformer, init_weights=init_weights, flops_per_token=flops_per_token,
     tensor_parallel_sizes=tensor_parallel_sizes, num_active_params=active_params,
     parallel_plan=PLAN, hf_mapping=hf_mapping)

@@ -14,9 +14,9 @@ from torch import Tensor, nn
 
 from titan.models.common.args import YarnScaling, yarn_mscale
 from titan.models.common.attention import Mask, build_inner_attention
+from titan.models.common.block import TransformerBlock as Block
 from titan.models.common.decoder import Decoder
-from titan.models.common.feed_forward import FeedForward
-from titan.models.common.moe import MoE
+from titan.models.common.moe import MoEArgs
 from titan.models.common.norms import RMSNorm
 from titan.models.common.rotary import apply_rotary_emb
 from titan.models.deepseek_v3.args import DeepSeekV3Args
@@ -74,34 +74,23 @@ class MultiHeadLatentAttention(nn.Module):
         return self.wo(out)
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: latent attention, then a dense feed-forward (`feed_forward`) or the mixture of
-    experts (`moe`)."""
+class TransformerBlock(Block):
+    """DeepSeek-V3's block: the shared block of latent attention and a dense SwiGLU, or with `moe` the mixture of
+    experts."""
 
-    def __init__(self, args: DeepSeekV3Args, dense: bool) -> None:
-        super().__init__()
-        self.attention = MultiHeadLatentAttention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        if dense:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        else:
-            self.moe = MoE(args.dim, args.moe)
-
-    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+    def __init__(self, args: DeepSeekV3Args, moe: MoEArgs | None) -> None:
+        super().__init__(args, MultiHeadLatentAttention(args), args.hidden_dim, moe, norms_before_ffn=True)
 
 
 def decoder_block(args: DeepSeekV3Args, layer_id: int) -> TransformerBlock:
-    return TransformerBlock(args, dense=layer_id < args.first_k_dense_replace)
+    """Blocks 0 .. first_k_dense_replace - 1 are dense, the others hold the mixture of experts."""
+    return TransformerBlock(args, moe=None if layer_id < args.first_k_dense_replace else args.moe)
 
 
 def mtp_block(args: DeepSeekV3Args) -> TransformerBlock:
     """An MTP module's block is dense: its experts would sit outside `layers`, where expert parallel and the
     balancer look for them. (DeepSeek-V3's released MTP module has a mixture of experts.)"""
-    return TransformerBlock(args, dense=True)
+    return TransformerBlock(args, moe=None)
 
 
 class Transformer(Decoder):

@@ -1,9 +1,9 @@
 """Llama 3 shapes: ModelArgs, the flavor table, and the size rules that config validation needs
 without building a model."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from titan.models.common.args import AttnBackend, DecoderArgs, RopeScaling
+from titan.models.common.args import DecoderArgs, RopeScaling
 
 # Llama 3's tiktoken vocabulary (128000 BPE tokens + 256 special tokens). The flavor table uses it as a
 # placeholder: the trainer replaces vocab_size with the real tokenizer's size before building.
@@ -67,10 +67,3 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
                       multiple_of=4096, rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=131072),
 }
 
-
-def build_model_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
-                     attn_backend: AttnBackend = "sdpa", loss_chunk_size: int = 1024) -> ModelArgs:
-    """The flavor's shape with a tokenizer's vocab, a rotary table of max_seq_len positions, an attention kernel
-    and the output loss's chunk size."""
-    return replace(LLAMA3_FLAVORS[flavor], vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of,
-                   max_seq_len=max_seq_len, attn_backend=attn_backend, loss_chunk_size=loss_chunk_size)

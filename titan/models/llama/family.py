@@ -2,19 +2,14 @@
 
 from torch import nn
 
-from titan.models.common.family import BuildOptions, ModelFamily
+from titan.models.common.family import ModelFamily
 from titan.models.common.flops import num_params
 from titan.models.common.parallel_plan import ATTENTION_TENSOR_PARALLEL, FEED_FORWARD_TENSOR_PARALLEL, ParallelPlan
-from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, build_model_args, ffn_hidden_dim
+from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs, ffn_hidden_dim
 from titan.models.llama.flops import flops_per_token
 from titan.models.llama.hf import hf_mapping
 from titan.models.llama.init import init_weights
 from titan.models.llama.model import Transformer
-
-
-def build_args(flavor: str, options: BuildOptions) -> ModelArgs:
-    return build_model_args(flavor, options.vocab_size, options.vocab_size_multiple_of, options.max_seq_len,
-                            options.attn_backend, options.loss_chunk_size)
 
 
 def training_flops(args: ModelArgs, model: nn.Module, seq_len: int) -> int:
@@ -30,7 +25,7 @@ def tensor_parallel_sizes(args: ModelArgs) -> list[tuple[str, int]]:
 
 
 LLAMA3 = ModelFamily(
-    name="llama3", args_type=ModelArgs, flavors=LLAMA3_FLAVORS, build_args=build_args, model=Transformer,
+    name="llama3", args_type=ModelArgs, flavors=LLAMA3_FLAVORS, model=Transformer,
     init_weights=init_weights, flops_per_token=training_flops, tensor_parallel_sizes=tensor_parallel_sizes,
     num_active_params=active_params,
     parallel_plan=ParallelPlan(tensor_parallel={**ATTENTION_TENSOR_PARALLEL, **FEED_FORWARD_TENSOR_PARALLEL}),

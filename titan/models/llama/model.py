@@ -1,28 +1,17 @@
-"""Llama 3 transformer: the shared decoder (titan/models/common/decoder.py) with Llama's blocks, pure math on plain
-nn.Linear / nn.Embedding, built on meta and filled by init.py."""
+"""Llama 3 transformer: the shared decoder (titan/models/common/decoder.py) of shared blocks with grouped-query
+attention and a dense SwiGLU, pure math on plain nn.Linear / nn.Embedding, built on meta and filled by init.py."""
 
-from torch import Tensor, nn
-
-from titan.models.common.attention import Attention, Mask
+from titan.models.common.attention import Attention
+from titan.models.common.block import TransformerBlock as Block
 from titan.models.common.decoder import Decoder
-from titan.models.common.feed_forward import FeedForward
-from titan.models.common.norms import RMSNorm
 from titan.models.llama.args import ModelArgs, ffn_hidden_dim
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then the feed-forward network."""
+class TransformerBlock(Block):
+    """Llama's block: the shared block of grouped-query attention and a dense SwiGLU of ffn_hidden_dim units."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.feed_forward = FeedForward(args.dim, ffn_hidden_dim(args))
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-
-    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        super().__init__(args, Attention(args), ffn_hidden_dim(args))
 
 
 class Transformer(Decoder):

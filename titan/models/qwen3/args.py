@@ -1,9 +1,10 @@
 """Qwen3 shapes: Qwen3Args, MoEArgs and the flavor table (the published configs of Qwen/Qwen3-*), without building a
 model."""
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from titan.models.common.args import AttnBackend, DecoderArgs
+from titan.models.common.family import BuildOptions, args_with_options
 from titan.models.common.moe import MoEArgs
 
 # Qwen3's vocabulary as its checkpoints store it: 151,669 tokens padded to 151,936 rows. The flavor table uses it as a
@@ -66,11 +67,9 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
 def build_qwen3_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
                      attn_backend: AttnBackend, loss_chunk_size: int, aux_loss_weight: float,
                      load_balance_coeff: float, valueless: bool = False) -> Qwen3Args:
-    """The flavor's shape with a tokenizer's vocab, a rotary table of max_seq_len positions, an attention kernel,
-    the output loss's chunk size and, for MoE flavors, the load-balancing settings and whether the tensors carry no
-    values (MoEArgs.valueless)."""
-    args = QWEN3_FLAVORS[flavor]
-    moe = args.moe and replace(args.moe, aux_loss_weight=aux_loss_weight, load_balance_coeff=load_balance_coeff,
-                               valueless=valueless)
-    return replace(args, vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of,
-                   max_seq_len=max_seq_len, attn_backend=attn_backend, loss_chunk_size=loss_chunk_size, moe=moe)
+    """The flavor's args with these options, as the family's build_args makes them from BuildOptions
+    (titan/models/common/family.py args_with_options)."""
+    return args_with_options(QWEN3_FLAVORS[flavor], BuildOptions(
+        vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of, max_seq_len=max_seq_len,
+        attn_backend=attn_backend, loss_chunk_size=loss_chunk_size, moe_aux_loss_weight=aux_loss_weight,
+        moe_load_balance_coeff=load_balance_coeff, valueless=valueless))

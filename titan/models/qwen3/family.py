@@ -3,20 +3,14 @@
 
 from torch import nn
 
-from titan.models.common.family import BuildOptions, ModelFamily
+from titan.models.common.family import ModelFamily
 from titan.models.common.flops import num_active_params
 from titan.models.common.parallel_plan import ATTENTION_TENSOR_PARALLEL, FEED_FORWARD_TENSOR_PARALLEL, ParallelPlan
-from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
+from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from titan.models.qwen3.flops import flops_per_token
 from titan.models.qwen3.hf import hf_mapping
 from titan.models.qwen3.init import init_weights
 from titan.models.qwen3.model import Transformer
-
-
-def build_args(flavor: str, options: BuildOptions) -> Qwen3Args:
-    return build_qwen3_args(flavor, options.vocab_size, options.vocab_size_multiple_of, options.max_seq_len,
-                            options.attn_backend, options.loss_chunk_size, options.moe_aux_loss_weight,
-                            options.moe_load_balance_coeff, options.valueless)
 
 
 def training_flops(args: Qwen3Args, model: nn.Module, seq_len: int) -> int:
@@ -38,6 +32,6 @@ PLAN = ParallelPlan(tensor_parallel={**ATTENTION_TENSOR_PARALLEL, "attention.q_n
                                      "attention.k_norm": "head_norm", **FEED_FORWARD_TENSOR_PARALLEL})
 
 QWEN3 = ModelFamily(
-    name="qwen3", args_type=Qwen3Args, flavors=QWEN3_FLAVORS, build_args=build_args, model=Transformer,
+    name="qwen3", args_type=Qwen3Args, flavors=QWEN3_FLAVORS, model=Transformer,
     init_weights=init_weights, flops_per_token=training_flops, tensor_parallel_sizes=tensor_parallel_sizes,
     num_active_params=active_params, parallel_plan=PLAN, hf_mapping=hf_mapping)

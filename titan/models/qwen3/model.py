@@ -8,13 +8,11 @@ Rotary embeddings use Meta's adjacent-pair layout; importing Hugging Face's rota
 the QK-norm weights (titan/checkpoint/hf.py).
 """
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from titan.models.common.attention import Attention as GroupedQueryAttention
-from titan.models.common.attention import Mask
+from titan.models.common.block import TransformerBlock as Block
 from titan.models.common.decoder import Decoder
-from titan.models.common.feed_forward import FeedForward
-from titan.models.common.moe import MoE
 from titan.models.common.norms import RMSNorm
 from titan.models.qwen3.args import Qwen3Args
 
@@ -33,24 +31,12 @@ class Attention(GroupedQueryAttention):
         return self.q_norm(q), self.k_norm(k), v
 
 
-class TransformerBlock(nn.Module):
-    """Pre-norm residual block: attention, then the dense feed-forward (`feed_forward`) or the mixture of experts
-    (`moe`)."""
+class TransformerBlock(Block):
+    """Qwen3's block: the shared block of QK-normed attention and the dense SwiGLU, or in MoE flavors the mixture of
+    experts in every block."""
 
     def __init__(self, args: Qwen3Args) -> None:
-        super().__init__()
-        self.attention = Attention(args)
-        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
-        if args.moe is None:
-            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
-        else:
-            self.moe = MoE(args.dim, args.moe)
-
-    def forward(self, x: Tensor, rope_cache: Tensor, mask: Mask) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cache, mask)
-        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
-        return h + ffn(self.ffn_norm(h))
+        super().__init__(args, Attention(args), args.hidden_dim, args.moe, norms_before_ffn=True)
 
 
 class Transformer(Decoder):
