@@ -4,12 +4,12 @@ import faulthandler
 import os
 import sys
 
-from titan.config.check import load_job_config
 from titan.dry_run import print_or_dry_run
 from titan.exits import exit_process, run_main
 from titan.metrics.log import current_rank, init_logger
 from titan.parallel.dims import destroy_distributed
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 
 def train(argv: list[str]) -> None:

@@ -20,8 +20,8 @@ import torch
 import torch._dynamo
 
 from bench_common import DEBUG_TOML, peak_tensor_bytes
-from titan.config.check import load_job_config
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 # The debug and 100M flavors stop at 2048 tokens (their rotary tables); 1B covers 8192.
 SHAPES = {"debug-2k": ("debugmodel", 2048), "100M-2k": ("100M", 2048), "1B-8k": ("1B", 8192)}

@@ -15,9 +15,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan.config.check import load_job_config  # noqa: E402
 from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from titan.validate import load_job_config  # noqa: E402
 
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
 

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from bench_common import DEBUG_TOML, add_linears_options, final_loss, high_precision, linear_seconds
-from titan.config.check import load_job_config
 from titan.metrics.log import init_logger
 from titan.quant.float8.linear import RECIPES, Float8Linear
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 
 def bench_linears(tokens: int, repeats: int, compile_modules: bool) -> None:

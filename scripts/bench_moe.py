@@ -12,7 +12,7 @@ warm-ups. --steps runs train.py (fp32, seq_len 256, 4 sequences per step on the 
 the median of steps 3-12 of the slowest rank's step time (metrics.jsonl), so that setup and the first steps'
 allocations stay out. --precisions times forward + backward of the experts of 30B-A3B's shape (16 experts per rank,
 as under EP 8) in bf16 and with the converters' grouped matmuls: native where torch has their kernels (float8 on
-Hopper, MX on data-center Blackwell: titan/config/validate.py), emulated elsewhere (CPU figures show emulation's
+Hopper, MX on data-center Blackwell: titan/quant/rules.py), emulated elsewhere (CPU figures show emulation's
 cost, not low precision's gain).
 """
 
@@ -30,11 +30,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from titan.config.validate import FLOAT8_GROUPED_MAJORS, MX_GROUPED_MAJORS  # noqa: E402
 from titan.models.common import moe as moe_module  # noqa: E402
 from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU  # noqa: E402
 from titan.quant.float8.grouped import Float8ExpertSwiGLU  # noqa: E402
 from titan.quant.mx.grouped import MXExpertSwiGLU  # noqa: E402
+from titan.quant.rules import FLOAT8_GROUPED_MAJORS, MX_GROUPED_MAJORS  # noqa: E402
 
 # (tokens, dim, experts, top_k, expert hidden): the debug MoE flavor's layer at 4 x 256 tokens, and one of
 # 30B-A3B's shape with fewer experts and tokens, so that it fits a CPU's time.

@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from bench_common import add_linears_options, final_loss, high_precision, linear_seconds, median_seconds
-from titan.config.validate import MX_MIN_CAPABILITY
 from titan.metrics.log import init_logger
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
 from titan.quant.mx.linear import MXLinear
 from titan.quant.mx.numerics import torch_quantize
+from titan.quant.rules import MX_MIN_CAPABILITY
 
 HBM_BYTES_PER_SECOND = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8.0e12}
 """Peak memory bandwidth of the SXM parts (NVIDIA data sheets), to put the kernel's GB/s in proportion."""

@@ -104,10 +104,8 @@ sys.path.insert(0, str(ROOT))
 from bench_common import DEBUG_TOML, peak_tensor_bytes  # noqa: E402
 from bench_data import per_rank_table  # noqa: E402
 from levers import LEVERS as EAGER_STEP_LEVERS  # noqa: E402
-from titan.config.check import load_job_config  # noqa: E402
 from titan.config.job import JobConfig, Parallelism  # noqa: E402
 from titan.config.paths import is_url  # noqa: E402
-from titan.config.stages import ideal_bubble_fraction  # noqa: E402
 from titan.data.micro_batch import Batch  # noqa: E402
 from titan.data.tokenizer import SHIPPED_TOKENIZER  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
@@ -115,7 +113,9 @@ from titan.metrics.log import init_logger, logger  # noqa: E402
 from titan.models.common.attention import expand_kv_heads  # noqa: E402
 from titan.models.common.loss import num_valid_targets  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
+from titan.parallel.stages import ideal_bubble_fraction  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from titan.validate import load_job_config  # noqa: E402
 from titan_flags import parse_with_titan_flags  # noqa: E402
 
 STEPS, WARMUP, REPEATS = 10, 3, 3

@@ -18,12 +18,12 @@ from titan.checkpoint.hf import check_shapes, titan_shapes  # noqa: E402
 from titan.config.errors import ConfigError  # noqa: E402
 from titan.config.job import Model, MoE  # noqa: E402
 from titan.config.load import parse_args  # noqa: E402
-from titan.config.validate import check_flavor  # noqa: E402
 from titan.data.tokenizer import Tokenizer, build_tokenizer  # noqa: E402
 from titan.exits import run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.models.common.family import BuildOptions  # noqa: E402
 from titan.models.families import FAMILIES  # noqa: E402
+from titan.train.rules import check_flavor  # noqa: E402
 
 TITAN_FLAGS_HELP = ("Titan flags go after --, e.g. -- --model.flavor 8B --model.tokenizer_path <file> (and "
                     "--model.name qwen3 for a Qwen3), or -- --job.config_file <dump_folder>/config.toml to reuse the "
@@ -44,7 +44,7 @@ def parse_model_flags(flags: list[str]) -> tuple[Model, MoE, Tokenizer]:
     flavor is checked, against --model.name's family.
     """
     cfg = parse_args(flags)
-    problem = check_flavor(cfg, world_size=1)
+    problem = check_flavor(cfg.model)
     if problem is not None:
         raise ConfigError(problem)
     return cfg.model, cfg.moe, build_tokenizer(cfg.model.tokenizer_path)

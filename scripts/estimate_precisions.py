@@ -11,11 +11,11 @@ Each row's converter flags are PRECISIONS below; a row a GPU cannot run (MX on H
 
 import argparse
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.estimate.report import step_estimate
 from titan.estimate.roofline import GPUS, op_seconds
 from titan.estimate.simulate import run_dry_run
+from titan.validate import load_job_config
 
 PRECISIONS = {
     "bf16": [],

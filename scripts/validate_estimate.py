@@ -38,10 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench_common import peak_tensor_bytes  # noqa: E402
-from titan.config.check import load_job_config  # noqa: E402
 from titan.estimate.roofline import Collective  # noqa: E402
 from titan.exits import exit_process  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
+from titan.validate import load_job_config  # noqa: E402
 
 GIB = 2**30
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -61,7 +61,7 @@ class Case:
 
 
 # The CPU cases of full AC recompute attention, as a GPU's eager checkpointed blocks do
-# (titan/config/activation_checkpoint.py keeps_attention), where a CPU run would keep it.
+# (titan/parallel/ac.py keeps_attention), where a CPU run would keep it.
 FULL_AC_RECOMPUTING_ALL = ("--activation_checkpoint.save_attention", "false")
 
 

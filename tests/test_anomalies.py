@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from titan.checkpoint.dcp import TrainState
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.tokenizer import build_tokenizer
 from titan.train.anomalies import SpikeDetector
 from titan.train.nan_guard import NonFiniteLossError
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 from harness.debug_training import build_trainer, debug_job
 from harness.nan_injection import nan_at

@@ -11,7 +11,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 from torch.utils._debug_mode import DebugMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.micro_batch import document_layout, mask_cross_document_targets
 from titan.models.common.attention import build_block_mask, compile_visible_region
@@ -19,6 +18,7 @@ from titan.models.common.loss import IGNORE_INDEX
 from titan.models.llama import ModelArgs
 from titan.parallel import ac
 from titan.parallel.ac import apply_ac, selective_policy
+from titan.validate import load_job_config
 
 from harness.models import build_model
 

@@ -21,9 +21,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titan.checkpoint.dcp import Checkpointer, read_model_weights
-from titan.config.check import load_job_config
 from titan.config.job import Checkpoint
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 from harness.debug_training import DEBUG_TOML, build_trainer
 from harness.torchrun import run_cases

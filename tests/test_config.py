@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.hardware import CPU, Accelerator, local_accelerator, simulated_accelerator, target_accelerator
 from titan.config.job import JobConfig, Model
 from titan.config.load import load_toml, parse_args, to_toml
-from titan.config.validate import validate
+from titan.hardware import CPU, Accelerator, local_accelerator, simulated_accelerator, target_accelerator
 from titan.models.families import FAMILIES
+from titan.validate import load_job_config, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG_TOML = str(ROOT / "configs" / "debug_model.toml")
@@ -312,7 +311,7 @@ def test_large_configs_are_valid_at_the_world_size_they_document(name: str, worl
 def test_zero_bubble_v_schedule_needs_torch_2_13_on_cpu(monkeypatch: pytest.MonkeyPatch, version: tuple[int, int],
                                                         problems: int) -> None:
     """torch 2.11's ZBVZeroBubble stage setup fails over gloo; the config says so before any process group forms."""
-    monkeypatch.setattr("titan.config.validate.torch_version", lambda: version)
+    monkeypatch.setattr("titan.parallel.rules.torch_version", lambda: version)
     found = problems_for("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                          "ZBVZeroBubble", world_size=2)
     assert len(found) == problems and all("Use torch 2.13 or newer" in p for p in found)

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.micro_batch import document_layout
 from titan.models.common.attention import build_dense_mask
@@ -19,6 +18,7 @@ from titan.models.common.loss import IGNORE_INDEX
 from titan.models.common.moe import MoEArgs, Router
 from titan.models.common.mtp import future_labels
 from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, Transformer, init_weights
+from titan.validate import load_job_config
 
 VOCAB = 2256
 # 8 experts in 4 groups of 2; a token may use 2 groups and 3 experts; weights normalised, then times 2.5.

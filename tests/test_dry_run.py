@@ -11,7 +11,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.attention import SDPBackend
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.dry_run import documented_world_size, dry_run_cli, main
 from titan.estimate import rank_server
@@ -21,6 +20,7 @@ from titan.estimate.simulate import DryRunResult, run_dry_run
 from titan.estimate.trace import SCALED_MM_V2, op_flops, precision_class
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.models.llama.model import Transformer, TransformerBlock
+from titan.validate import load_job_config
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +110,7 @@ def test_each_rank_is_a_child_of_one_serving_process() -> None:
 
 def test_dry_run_keeps_attention_as_the_simulated_gpu_would() -> None:
     """Full AC on a GPU keeps attention outputs when the job compiles and recomputes them in eager mode
-    (titan/config/activation_checkpoint.py keeps_attention), although the dry run itself never compiles: the
+    (titan/parallel/ac.py keeps_attention), although the dry run itself never compiles: the
     recorded step of the 6-block debug model runs attention forward 6 times (kept) or 12 (recomputed), backward 6
     times, and keeping holds more memory at the peak."""
     flags = ["--job.config_file", str(ROOT / "configs" / "debug_model.toml"), "--activation_checkpoint.mode", "full"]

@@ -15,13 +15,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import Float8
 from titan.parallel.ac import selective_policy
 from titan.quant.convert import apply_float8, format_report
 from titan.quant.float8.linear import RECIPES, Float8Linear, cast_operands, scaled_matmul
 from titan.quant.formats import E4M3, E5M2
+from titan.validate import load_job_config
 
 from harness.debug_training import DEBUG_TOML, train, train_losses
 from harness.float8_codes import assert_codes_equal

@@ -23,11 +23,11 @@ from gpu_check import (
     Result,
 )
 from levers import LEVERS, levers_off
-from titan.config.check import load_job_config
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
 from titan.models.common.family import BuildOptions
 from titan.models.common.flops import num_params
 from titan.models.families import FAMILIES
+from titan.validate import load_job_config
 
 from harness.train_script import run_train_argv
 

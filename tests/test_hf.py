@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import HF_CONFIG_FILE, check_hf_config, hf_config, rotate_half_rows, row_blocks
 from titan.checkpoint.hf_io import INDEX_FILE, SHARDED_FOLDER, inspect_folder, read_hf_weights
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.data.loader import build_dataloader
 from titan.data.micro_batch import document_layout, mask_cross_document_targets
@@ -32,6 +31,7 @@ from titan.models.common.rotary import apply_rotary_emb, precompute_rope_cache
 from titan.models.families import FAMILIES
 from titan.models.llama.args import ModelArgs
 from titan.models.llama.model import Transformer
+from titan.validate import load_job_config
 
 from harness.hf_models import (
     DEBUG,

@@ -1,7 +1,8 @@
-"""Imports point one way. Between packages, down a table of layers: models < config < metrics, exits < quant,
-parallel, data < checkpoint < train < estimate < the entry points (titan/dry_run.py, titan/launch/), the table LAYERS
-below, which shared/tools/layers.py reads too. Between modules, with no cycle anywhere in titan/ (titan/quant's
-order: formats <- kernels <- float8 casts and MX numerics <- linears <- FSDP's float8 all-gather and the converter).
+"""Imports point one way. Between packages, down a table of layers: models < config < metrics, exits, hardware <
+quant, parallel, data < checkpoint < train < validate (the collector of every stage's rules) < estimate < the entry
+points (titan/dry_run.py, titan/launch/), the table LAYERS below, which shared/tools/layers.py reads too.
+Between modules, with no cycle anywhere in titan/ (titan/quant's order: formats <- kernels <- float8 casts and MX
+numerics <- linears <- FSDP's float8 all-gather and the converter).
 Imports inside functions count: deferring one hides a cycle from Python, not from a reader who must follow it."""
 
 import ast
@@ -14,8 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TITAN = ROOT / "titan"
 
-LAYERS = [{"models"}, {"config"}, {"metrics", "exits"}, {"quant", "parallel", "data"}, {"checkpoint"}, {"train"},
-          {"estimate"}, {"dry_run", "launch"}]
+LAYERS = [{"models"}, {"config"}, {"metrics", "exits", "hardware"}, {"quant", "parallel", "data"}, {"checkpoint"},
+          {"train"}, {"validate"}, {"estimate"}, {"dry_run", "launch"}]
 """Packages (a top-level module titan/<name>.py counts as package <name>), lowest first: a package imports from
 its own layer and the ones below."""
 LAYER_OF = {package: index for index, layer in enumerate(LAYERS) for package in layer}

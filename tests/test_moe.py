@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.models.common import moe as moe_module
 from titan.models.common.moe import MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
@@ -19,6 +18,7 @@ from titan.parallel.ac import op_sac_context
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import expert_major_order
 from titan.train.expert_balance import ExpertBalancer, build_expert_balancer
+from titan.validate import load_job_config
 
 from harness.torchrun import run_torchrun
 

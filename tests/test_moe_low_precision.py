@@ -22,11 +22,9 @@ from torchao.prototype.moe_training.utils import (
 from torchao.prototype.mx_formats.config import ScaleCalculationMode
 from torchao.quantization.quantize_.common import KernelPreference
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
-from titan.config.hardware import SIMULATED_GPUS, Accelerator
 from titan.config.job import MX, NVFP4, Float8
-from titan.config.validate import find_problems, validate
+from titan.hardware import SIMULATED_GPUS, Accelerator
 from titan.models.common.moe import HighPrecisionSwiGLU, MoE, MoEArgs, moe_layers
 from titan.models.families import FAMILIES
 from titan.quant.convert import apply_converters, apply_float8, format_report
@@ -43,6 +41,7 @@ from titan.quant.float8.grouped import (
 from titan.quant.formats import E4M3
 from titan.quant.grouped import pad_groups
 from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertSwiGLU
+from titan.validate import find_problems, load_job_config, validate
 
 from harness.debug_training import DEBUG_TOML
 

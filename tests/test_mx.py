@@ -9,13 +9,13 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import MX, NVFP4, Float8
 from titan.quant.convert import apply_converters, apply_mx, format_report
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.mx.linear import MXLinear
+from titan.validate import load_job_config
 
 from harness.debug_training import DEBUG_TOML, train_losses
 from harness.linears import run_linear, sqnr_db

@@ -30,7 +30,6 @@ from torchao.prototype.mx_formats.kernels import f32_to_f4_unpacked, pack_uint4,
 from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
 from torchao.prototype.mx_formats.utils import from_blocked, to_blocked
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import NVFP4 as NVFP4Config
 from titan.models.families import FAMILIES
@@ -47,6 +46,7 @@ from titan.quant.nvfp4.numerics import (
     quantize_2d,
     round_stochastically,
 )
+from titan.validate import load_job_config
 
 from harness.linears import run_linear
 

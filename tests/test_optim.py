@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import Optimizer
 from titan.train.bf16_state import BF16StateAdam, round_with, rounding_bits, rounding_keys
 from titan.train.optim import build_optimizer, kernel_for_device
+from titan.validate import load_job_config
 
 
 def train_copies(implementation: str, steps: int = 5) -> list[torch.Tensor]:

@@ -13,8 +13,6 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import init_device_mesh
 
-from titan.config.activation_checkpoint import keeps_attention, records_ops
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
 from titan.config.load import load_toml, parse_args
@@ -26,7 +24,7 @@ from titan.models.llama import ModelArgs, Transformer
 from titan.models.qwen3 import QWEN3_FLAVORS
 from titan.models.qwen3 import Transformer as Qwen3
 from titan.models.qwen3 import init_weights as init_qwen3
-from titan.parallel.ac import apply_ac
+from titan.parallel.ac import apply_ac, keeps_attention, records_ops
 from titan.parallel.compile import apply_compile
 from titan.parallel.dims import resolve_dims
 from titan.parallel.ep import block_experts
@@ -34,6 +32,7 @@ from titan.parallel.fsdp import apply_expert_fsdp, apply_fsdp
 from titan.parallel.parallelize import parallelize_model
 from titan.train.trainer import Trainer
 from titan.train.watchdog import COLLECTIVE_TIMEOUT_MARGIN
+from titan.validate import load_job_config
 
 from harness.debug_training import NUM_LAYERS
 from harness.models import build_model
@@ -99,7 +98,7 @@ PIPELINE_SCHEDULES = {
     "Interleaved1F1B": ["--training.loss_chunk_size", "48"],
     "InterleavedZeroBubble": [],
     # A V: rank 0 runs stages 0 and 3, so it computes the loss. torch's V schedule has no forward-only pass
-    # (config/validate.py), so ZBV trains without evaluating.
+    # (titan/train/rules.py), so ZBV trains without evaluating.
     "ZBVZeroBubble": ["--validation.no_enable"],
 }
 

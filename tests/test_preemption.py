@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from titan.checkpoint.storage import LocalSteps
-from titan.config.check import load_job_config
 from titan.config.domain import parse_duration
 from titan.config.errors import ConfigError
 from titan.exits import run_main
@@ -24,6 +23,7 @@ from titan.parallel.dims import has_nccl
 from titan.train.preemption import REPEAT_AFTER_SECONDS, SignalFlag
 from titan.train.trainer import Trainer
 from titan.train.watchdog import Watchdog
+from titan.validate import load_job_config
 
 from harness.debug_training import build_trainer
 from harness.fsdp2_job import CHECKPOINT_INTERVAL, JOB, STEPS, launch_job

@@ -15,7 +15,6 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import Chat, Training
 from titan.data.chat_template import ChatTemplate, load_chat_template
@@ -30,6 +29,7 @@ from titan.data.tokenizer import SHIPPED_TOKENIZER, Tokenizer, build_tokenizer
 from titan.models.common.loss import IGNORE_INDEX
 from titan.models.llama import ModelArgs, Transformer, init_weights
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 from harness.debug_training import DEBUG_TOML
 

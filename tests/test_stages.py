@@ -1,11 +1,11 @@
-"""Pipeline stage arithmetic (titan/config/stages.py) and the schedule report, on plain integers."""
+"""Pipeline stage arithmetic (titan/parallel/stages.py) and the schedule report, on plain integers."""
 
 import logging
 
 import pytest
 
-from titan.config.stages import even_split, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.parallel.pp import log_schedule
+from titan.parallel.stages import even_split, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 
 
 @pytest.mark.parametrize("num_layers, num_stages, schedule, counts", [

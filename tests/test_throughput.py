@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from titan.config.hardware import SIMULATED_GPUS
+from titan.hardware import SIMULATED_GPUS
 from titan.metrics import throughput
 from titan.metrics.throughput import PEAK_BF16_FLOPS, ThroughputMeter, peak_flops_for_name
 

@@ -17,10 +17,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan.checkpoint.dcp import Checkpointer
-from titan.config.check import load_job_config
 from titan.train.nan_guard import NonFiniteLossError, nonfinite_reason, stop_error, stop_hints
 from titan.train.step import TrainingStep
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 from harness.debug_training import NUM_LAYERS, build_trainer
 from harness.nan_injection import nan_at

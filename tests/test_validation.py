@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.validate import load_job_config
 
 from harness.debug_training import train
 from harness.train_script import losses_by_step, validation_records

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
+from titan.validate import load_job_config
 
 from harness.debug_training import build_trainer
 from harness.nan_injection import nan_at

@@ -6,17 +6,17 @@ is invalid for that world size or a rank's predicted peak does not fit in the GP
 `./run_train.sh --job.dry_run` runs the same for NGPU ranks."""
 
 import argparse
+import dataclasses
 import re
 import sys
 from pathlib import Path
 
-from titan.config.check import load_job_config
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig
-from titan.config.load import parse_args
-from titan.config.print_config import print_config
+from titan.config.load import parse_args, to_toml
 from titan.exits import run_main
 from titan.metrics.log import init_logger, logger
+from titan.validate import find_problems, load_job_config
 
 PROGRAM = "python -m titan.dry_run --world_size N [--rank R ...]"
 
@@ -55,6 +55,18 @@ def dry_run(cfg: JobConfig, world_size: int, ranks: list[int] | None) -> int:
     if problems:
         raise ConfigError(problems)
     return 0
+
+
+def print_config(cfg: JobConfig, world_size: int) -> None:
+    """Write `cfg` as TOML to stdout, then what would stop it running here (files this machine lacks, a GPU it has
+    not) as comments headed "Warning": the output stays a job file that `--job.config_file` reads (without
+    print_config, so that it runs the job)."""
+    job = dataclasses.replace(cfg, job=dataclasses.replace(cfg.job, print_config=False))
+    _, on_this_machine = find_problems(cfg, world_size)
+    warnings = "".join(f"# Warning: on this machine, {problem}\n" for problem in on_this_machine)
+    processes = f"{world_size} process" + ("es" if world_size > 1 else "")
+    sys.stdout.write(f"# The resolved config of a run of {processes}.\n{to_toml(job)}{warnings}")
+    sys.stdout.flush()
 
 
 def print_or_dry_run(cfg: JobConfig, world_size: int, rank: int | None) -> bool:

@@ -14,11 +14,11 @@ from pathlib import Path
 # Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from titan.config.check import load_job_config  # noqa: E402
 from titan.exits import exit_process, run_main  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from titan.validate import load_job_config  # noqa: E402
 
 from harness.nan_injection import nan_at  # noqa: E402
 

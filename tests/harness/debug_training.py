@@ -3,9 +3,9 @@ training runs of it (for the converter tests)."""
 
 from pathlib import Path
 
-from titan.config.check import load_job_config
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 from harness.train_script import losses_of
 

@@ -22,11 +22,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # Run as a script (torchrun, titan.launch): the repository root holds titan and train.py, tests/ the harness package.
 sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
 
-from titan.config.check import load_job_config  # noqa: E402
 from titan.metrics.log import init_logger  # noqa: E402
 from titan.parallel.dims import destroy_distributed  # noqa: E402
 from titan.quant.float8.linear import Float8Linear  # noqa: E402
 from titan.train.trainer import Trainer  # noqa: E402
+from titan.validate import load_job_config  # noqa: E402
 
 from harness.torchrun import finish_rank, run_each_case  # noqa: E402
 from harness.trainer_probe import run_case as run_probe  # noqa: E402

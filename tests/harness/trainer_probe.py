@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan.config.check import load_job_config
 from titan.parallel.dims import MESH_DIMS
 from titan.train.preemption import Stopper
 from titan.train.readback import Readback
 from titan.train.trainer import Trainer
+from titan.validate import load_job_config
 
 ROOT = str(Path(__file__).resolve().parents[2])
 DEVICE_MESH = os.path.join("torch", "distributed", "device_mesh.py")

@@ -111,6 +111,14 @@ def hf_vocab_rows(config: dict, args: DecoderArgs) -> int:
     return args.vocab_size
 
 
+def raise_mismatches(problems: list[str]) -> None:
+    """Raise one ConfigError listing `problems`, where a checkpoint disagrees with the model args, and the fix they
+    share; return if there are none."""
+    if problems:
+        raise ConfigError([*problems, "Pick the --model.name, --model.flavor and --model.tokenizer_path this "
+                                      "checkpoint was made for."])
+
+
 def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Size], source: str,
                  files: Mapping[str, str] | None = None) -> None:
     """Raise one ConfigError listing every missing, unexpected and wrongly shaped tensor in `shapes` (name -> shape).
@@ -129,10 +137,7 @@ def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Siz
             where = f" in {files[name]}" if files else ""
             problems.append(f"{source} tensor {name}{where} has shape {list(shapes[name])}, but the model "
                             f"needs {list(shape)}.")
-    if problems:
-        problems.append("Check that --model.name, --model.flavor and --model.tokenizer_path are the ones the "
-                        "checkpoint was trained with.")
-        raise ConfigError(problems)
+    raise_mismatches(problems)
 
 
 def rotate_half_rows(rows: Tensor, head_dim: int) -> Tensor:
@@ -288,7 +293,4 @@ def check_hf_config(config: dict, args: DecoderArgs, path: Path) -> None:
     if not same_rope_scaling(scaling, hf_rope_scaling(args)):
         problems.append(f"{path} has RoPE scaling {scaling!r}, but the Titan model args give "
                         f"{hf_rope_scaling(args)!r}.")
-    if problems:
-        problems.append("Pick the --model.name, --model.flavor and --model.tokenizer_path this checkpoint was made "
-                        "for.")
-        raise ConfigError(problems)
+    raise_mismatches(problems)

@@ -235,10 +235,18 @@ def build_document_source(dataset: str, dataset_path: str | None, dataset_flag: 
         description = SourceDescription("shipped", None, split, (SHIPPED_CORPUS,))
         keep = is_held_out if held_out else is_training_document
         return LocalDocuments([SHIPPED_CORPUS], read_jsonl_documents, f"{dataset_flag} shipped", description, keep)
-    assert dataset_path is not None, "config/validate.py requires a dataset path here"
+    assert dataset_path is not None, "titan/data/rules.py requires a dataset path here"
     if dataset == "hf":
         return HuggingFaceDocuments(dataset_path, dataset_flag, path_flag)
     read = read_text_documents if dataset == "text" else read_jsonl_documents
     files = find_files(dataset_path, dataset, path_flag)
     return LocalDocuments(files, read, f"{path_flag} {dataset_path!r}",
                           SourceDescription(dataset, dataset_path, "all", tuple(files)))
+
+
+def hub_dataset_problem(dataset_flag: str, path_flag: str, name: str) -> str:
+    """Hub datasets are too large to tokenize on a job's first start: they are prepared once, on their own."""
+    return (f"{dataset_flag} hf {path_flag} {name!r} is not a local folder: a dataset from the Hugging Face hub is "
+            f"tokenized once, before training, with `python -m titan.data.prepare --dataset hf --dataset_path {name} "
+            f"--out STORE` (needs the `hf` extra and the network), then trained on with --training.dataset prepared "
+            f"--training.dataset_path STORE.")

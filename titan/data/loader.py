@@ -23,11 +23,10 @@ from titan.config.errors import ConfigError
 from titan.config.job import Chat, Training, Validation
 from titan.config.mixture import MixtureEntry, parse_mixture_entry
 from titan.config.paths import resolve_path
-from titan.config.validate import hub_dataset_problem
 from titan.data.cache import cache_dir, cached_store
 from titan.data.chat_template import load_chat_template
 from titan.data.conversations import ConversationEncoder, ConversationSource, check_roles_method
-from titan.data.dataset import build_document_source
+from titan.data.dataset import build_document_source, hub_dataset_problem
 from titan.data.micro_batch import Batch, as_batch
 from titan.data.packing import build_source_windows
 from titan.data.store import StoreSource, TokenStore, open_store, source_changes
@@ -149,7 +148,7 @@ def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, c
     it is, any other source's from the cache, tokenized on first use (with `prepare`; else None when it is not
     there yet). Conversations (chat) are rendered by the template of `chat`."""
     if dataset == "prepared":
-        assert dataset_path is not None, "config/validate.py requires a dataset path here"
+        assert dataset_path is not None, "titan/data/rules.py requires a dataset path here"
         store = open_store(resolve_path(dataset_path), tokenizer)
         check_roles_method(store)
         changed = source_changes(store.meta)
@@ -162,7 +161,7 @@ def source_store(dataset: str, dataset_path: str | None, tokenizer: Tokenizer, c
         raise ConfigError(hub_dataset_problem(dataset_flag, path_flag, str(dataset_path)))
     source: StoreSource
     if dataset == "chat":
-        assert dataset_path is not None, "config/validate.py requires a dataset path here"
+        assert dataset_path is not None, "titan/data/rules.py requires a dataset path here"
         source = build_conversation_source(dataset_path, path_flag, tokenizer, chat)
     else:
         source = build_document_source(dataset, dataset_path, dataset_flag, path_flag, held_out=held_out)

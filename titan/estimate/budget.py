@@ -24,10 +24,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from titan.config.hardware import SIMULATED_GPUS
 from titan.estimate.fake_cuda import simulated_gpu
 from titan.estimate.roofline import GPUS, OpCost, op_seconds
 from titan.estimate.trace import StepRecorder
+from titan.hardware import SIMULATED_GPUS
 from titan.models.common import attention
 from titan.models.common.family import BuildOptions
 from titan.models.families import FAMILIES

@@ -17,7 +17,7 @@ This is an estimate for ranking parallel layouts, not a promise of measured numb
   run on their own streams behind compute: together they are exposed only by max(0, their sum - compute_s), which is
   shared among their dims in proportion to their comm time. TP and CP collectives sit on the critical path (the
   next matmul needs their output), and so do "loss" and any other dim: fully exposed.
-- Pipeline bubble: a rank idles a share f of the step (titan/config/stages.py ideal_bubble_fraction), so
+- Pipeline bubble: a rank idles a share f of the step (titan/parallel/stages.py ideal_bubble_fraction), so
   bubble_s = compute_s * f / (1 - f).
 - step_s = compute_s + bubble_s + sum(exposed comm); tokens/s and MFU follow titan/metrics/throughput.py.
 """

@@ -20,10 +20,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
-from titan.config.hardware import Accelerator, simulated_accelerator
 from titan.config.job import JobConfig, Model
 from titan.config.paths import resolve_path
-from titan.config.stages import ideal_bubble_fraction
 from titan.data.loader import batch_to
 from titan.data.micro_batch import Batch
 from titan.data.tokenizer import build_tokenizer
@@ -33,10 +31,12 @@ from titan.estimate.fake_cuda import simulated_gpu
 from titan.estimate.rank_server import simulate_in_child
 from titan.estimate.roofline import Collective, OpCost
 from titan.estimate.trace import GroupInfo, MemoryPeak, StepRecorder, memory_peak
+from titan.hardware import Accelerator, simulated_accelerator
 from titan.metrics.log import logger
 from titan.models.families import FAMILIES
 from titan.parallel.dims import Meshes, data_parallel_rank, resolve_dims
 from titan.parallel.shards import local_shard
+from titan.parallel.stages import ideal_bubble_fraction
 from titan.train.anomalies import skips_update
 from titan.train.build import BuildMode, build_training_step
 from titan.train.step import TrainingStep

@@ -11,7 +11,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.run import run
 
-from titan.config.check import load_job_config
 from titan.dry_run import print_or_dry_run
 from titan.exits import EXIT_RESTARTS_SPENT, run_main
 from titan.launch.agent import restarting_agent, using_agent
@@ -21,6 +20,7 @@ from titan.launch.restarts import RestartDecision, RestartPolicy, Verdict
 from titan.launch.signals import forwarding_stop_signals
 from titan.metrics.goodput import LAUNCH_TIME_ENV, process_start_time
 from titan.metrics.log import init_logger, logger
+from titan.validate import load_job_config
 
 
 def launch(argv: list[str]) -> int:

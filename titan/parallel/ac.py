@@ -1,4 +1,6 @@
-"""Activation checkpointing per transformer block: full, every k-th block, or selective by op."""
+"""Activation checkpointing per transformer block: full, every k-th block, or selective by op; and what it does on a
+run (which blocks, whether they keep attention), which the config rules about the combinations it does not run in
+read too (titan/parallel/rules.py)."""
 
 from collections import defaultdict
 from collections.abc import Callable
@@ -9,7 +11,6 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, checkpoint_wrapper
 from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, create_selective_checkpoint_contexts
 
-from titan.config.activation_checkpoint import checkpoint_every, saves_by_op
 from titan.metrics.log import logger
 
 # Ops whose outputs selective AC keeps: expensive to recompute relative to the memory they hold.
@@ -38,6 +39,33 @@ if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
 # ops it lists in SAC_IGNORED_OPS uncounted.
 SAC_IGNORED_OPS.update({torch.ops.profiler._record_function_enter_new.default,
                         torch.ops.profiler._record_function_exit._RecordFunction})
+
+
+def keeps_attention(save_attention: bool, compiled: bool, on_gpu: bool) -> bool:
+    """Whether checkpointed blocks keep their attention outputs (--activation_checkpoint.save_attention) on this run.
+    Not in eager mode on a GPU: there the selective-checkpoint dispatch mode that keeps them runs Python for every
+    op of the block, in forward and in recompute, which cost more than recomputing attention saves (0.69x and 0.81x
+    of the step's speed measured on an H100, docs/performance.md). Compiled, the policy is traced into the graph
+    and costs nothing at run time; on a CPU the step is compute-bound and keeping attention pays (1.08x)."""
+    return save_attention and (compiled or not on_gpu)
+
+
+def checkpoint_every(option: str) -> int | None:
+    """k for `selective_ac_option` "k" (checkpoint every k-th block), None for "op"."""
+    return None if option == "op" else int(option)
+
+
+def saves_by_op(mode: str, selective_option: str) -> bool:
+    """Selective "op" AC: every block saves by op, attention always (save_attention does not apply)."""
+    return mode == "selective" and checkpoint_every(selective_option) is None
+
+
+def records_ops(mode: str, selective_option: str, keep_attention: bool) -> bool:
+    """Whether checkpointed blocks run under a selective-checkpoint context, which records every op of a block's
+    forward and refuses a recompute that runs one the forward did not: selective "op" AC, and full or every-k AC that
+    keeps attention (`keep_attention`, keeps_attention's)."""
+    return saves_by_op(mode, selective_option) or (mode != "none" and keep_attention)
+
 
 # The matmuls the "op" policy alternates on: plain, native float8 and MX (torch._scaled_mm) and a mixture of
 # experts' grouped matmul (titan/models/common/moe.py).

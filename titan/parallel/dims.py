@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titan.config.degrees import resolved_shard_degree
 from titan.config.errors import ConfigError
 from titan.config.job import Comm, Parallelism
 from titan.metrics.goodput import ATTEMPT_ENV, attempt_number
 from titan.metrics.log import logger
+from titan.parallel.degrees import resolved_shard_degree
 
 # Mesh dimension names, outermost first: pipeline stages talk least and may span nodes; TP talks every layer and
 # stays inside one.

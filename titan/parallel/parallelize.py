@@ -3,12 +3,11 @@ parallel_plan.py) saying which modules each stage splits."""
 
 from torch import nn
 
-from titan.config.activation_checkpoint import saves_by_op
 from titan.config.dtypes import to_dtype
 from titan.config.job import ActivationCheckpoint, Compile, Parallelism, Training
 from titan.metrics.log import logger
 from titan.models.common.parallel_plan import ParallelPlan
-from titan.parallel.ac import apply_ac
+from titan.parallel.ac import apply_ac, saves_by_op
 from titan.parallel.compile import apply_compile
 from titan.parallel.cp import apply_cp
 from titan.parallel.dims import Meshes, ParallelDims
@@ -25,7 +24,7 @@ def parallelize_model(model: nn.Module, plan: ParallelPlan, dims: ParallelDims, 
     any wrapper sees them; context parallel swaps each block's attention kernel before AC wraps the block; compile
     traces the checkpointed block; FSDP wraps last so that each FSDP unit is a final (compiled) block, and shards
     the experts over their own mesh before it wraps the blocks. `keep_attention`: whether checkpointed blocks keep
-    attention outputs on these ranks (titan/config/activation_checkpoint.py keeps_attention). `block_causal`:
+    attention outputs on these ranks (titan/parallel/ac.py keeps_attention). `block_causal`:
     attention stays within documents (context parallel must know before the first batch)."""
     if dims.tp_enabled:
         apply_tp(model, meshes.tp, plan, loss_parallel=not par.disable_loss_parallel,

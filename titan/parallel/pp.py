@@ -12,10 +12,10 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule, get_schedule_class
 
 from titan.config.job import Parallelism
-from titan.config.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 from titan.data.micro_batch import MicroBatch
 from titan.metrics.log import logger
 from titan.parallel.reductions import full_value
+from titan.parallel.stages import StagePlan, ideal_bubble_fraction, plan_stages, requested_num_stages, stage_ids
 
 # Each stage's (input, output) of one micro-batch, as PipelineStage takes them: its example tensors.
 StageExamples = list[tuple[Tensor, Tensor]]

@@ -59,14 +59,22 @@ def filter_reason(fqn: str, filter_fqns: list[str], flag: str) -> str | None:
     return f"skipped: matches {flag} {matched[0]!r}" if matched else None
 
 
+def indivisible_reason(rows: int, cols: int, multiple: int, divisor: str) -> str | None:
+    """The skip reason when a rows x cols weight's dims are not both multiples of `multiple`, which `divisor` names
+    ("16 (float8 matmuls need it)"), else None."""
+    if rows % multiple or cols % multiple:
+        return f"skipped: {rows}x{cols} not divisible by {divisor}"
+    return None
+
+
 def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
     """Why `linear` must stay in high precision under `cfg`, or None if it converts."""
     out_features, in_features = linear.weight.shape
-    filtered = filter_reason(fqn, cfg.filter_fqns, "--float8.filter_fqns")
-    if filtered:
-        return filtered
-    if out_features % FLOAT8_DIM_MULTIPLE or in_features % FLOAT8_DIM_MULTIPLE:
-        return f"skipped: {out_features}x{in_features} not divisible by {FLOAT8_DIM_MULTIPLE} (float8 matmuls need it)"
+    reason = (filter_reason(fqn, cfg.filter_fqns, "--float8.filter_fqns")
+              or indivisible_reason(out_features, in_features, FLOAT8_DIM_MULTIPLE,
+                                    f"{FLOAT8_DIM_MULTIPLE} (float8 matmuls need it)"))
+    if reason:
+        return reason
     limits = SMALL_LINEAR_LIMITS[cfg.recipe_name]
     if cfg.auto_filter_small_kdims and any(out_features <= o and in_features <= i for o, i in limits):
         return f"skipped: too small to gain from float8 {cfg.recipe_name} (--float8.auto_filter_small_kdims)"
@@ -76,12 +84,11 @@ def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
 def mx_skip_reason(fqn: str, linear: nn.Linear, cfg: MX, tp_degree: int) -> str | None:
     """Why `linear` must stay in high precision under `cfg` on a `tp_degree`-way TP mesh, or None if it converts."""
     out_features, in_features = linear.weight.shape
-    filtered = filter_reason(fqn, cfg.filter_fqns, "--mx.filter_fqns")
-    if filtered:
-        return filtered
     # Both dims are contracted by some matmul (in by the output, out by grad_input), so both need whole blocks.
-    if out_features % MX_BLOCK_SIZE or in_features % MX_BLOCK_SIZE:
-        return f"skipped: {out_features}x{in_features} not divisible by the MX block size {MX_BLOCK_SIZE}"
+    reason = (filter_reason(fqn, cfg.filter_fqns, "--mx.filter_fqns")
+              or indivisible_reason(out_features, in_features, MX_BLOCK_SIZE, f"the MX block size {MX_BLOCK_SIZE}"))
+    if reason:
+        return reason
     # TP splits one of the two dims; every rank quantizes its shard, so a shard must hold whole blocks too.
     shard_multiple = MX_BLOCK_SIZE * tp_degree
     if out_features % shard_multiple or in_features % shard_multiple:
@@ -108,10 +115,8 @@ def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[
         return (f"skipped: one of the last {len(kept_blocks)} blocks (--nvfp4.high_precision_last_blocks_fraction "
                 f"{cfg.high_precision_last_blocks_fraction})")
     # Both dims are some matmul's contraction dim, whose packed FP4 rows block-scaled GEMMs read in 16-byte units.
-    if out_features % NVFP4_CONTRACTION_MULTIPLE or in_features % NVFP4_CONTRACTION_MULTIPLE:
-        return (f"skipped: {out_features}x{in_features} not divisible by {NVFP4_CONTRACTION_MULTIPLE}, the NVFP4 "
-                f"matmuls' contraction multiple")
-    return None
+    return indivisible_reason(out_features, in_features, NVFP4_CONTRACTION_MULTIPLE,
+                              f"{NVFP4_CONTRACTION_MULTIPLE}, the NVFP4 matmuls' contraction multiple")
 
 
 def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], flag: str,
@@ -122,9 +127,7 @@ def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], f
     if not any(pattern in fqn for pattern in moe_fqns):
         return f"skipped: not matched by {flag}" + (f" {' '.join(moe_fqns)}" if moe_fqns else " (empty)")
     _, hidden, dim = experts.w1.shape
-    if hidden % alignment or dim % alignment:
-        return f"skipped: {hidden}x{dim} not divisible by {alignment} (the grouped kernels need it)"
-    return None
+    return indivisible_reason(hidden, dim, alignment, f"{alignment} (the grouped kernels need it)")
 
 
 def convert_experts(model: nn.Module, moe_fqns: list[str], flag: str, alignment: int,

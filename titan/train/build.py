@@ -17,14 +17,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from titan.config.activation_checkpoint import keeps_attention
-from titan.config.degrees import accumulation_steps
 from titan.config.dtypes import to_dtype
 from titan.config.job import JobConfig, Model, Training
 from titan.metrics.log import logger
 from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_params
 from titan.models.families import FAMILIES
+from titan.parallel.ac import keeps_attention
+from titan.parallel.degrees import accumulation_steps
 from titan.parallel.dims import Meshes, ParallelDims, build_meshes
 from titan.parallel.init import allocate_weights, init_weights
 from titan.parallel.parallelize import parallelize_model
@@ -135,7 +135,7 @@ def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:
 
 
 def count_accumulation_steps(training: Training, dp_degree: int) -> int:
-    """Micro-batches per optimizer step (titan/config/degrees.py accumulation_steps), said in the log when the
+    """Micro-batches per optimizer step (titan/parallel/degrees.py accumulation_steps), said in the log when the
     global batch sets them."""
     steps = accumulation_steps(training, dp_degree)
     if training.global_batch_size != -1:

@@ -7,7 +7,6 @@ from torch import nn
 from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
 from titan.config.job import Optimizer
-from titan.config.multipliers import parse_lr_multiplier
 from titan.metrics.log import logger
 from titan.parallel.ac import model_fqn
 from titan.train.bf16_state import BF16StateAdam
@@ -71,3 +70,12 @@ def kernel_for_device(implementation: str, device_type: str) -> str:
                     f"using foreach")
         return "foreach"
     return implementation
+
+
+def parse_lr_multiplier(text: str) -> tuple[str, float]:
+    """"FQN_SUBSTRING=FACTOR" as (substring, factor); ValueError unless the substring is non-empty and the factor a
+    positive number (validation reports it with the field's name)."""
+    substring, separator, factor = text.rpartition("=")
+    if not separator or not substring or not float(factor) > 0:
+        raise ValueError(f"{text!r} is not FQN_SUBSTRING=FACTOR with a positive FACTOR")
+    return substring, float(factor)

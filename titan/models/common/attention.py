@@ -13,7 +13,7 @@ reads once per forward (`Decoder.attention_mask`), shared by every block: a Flex
 a dense boolean mask. Context parallel replaces both.
 
 FlexAttention has no backward on CPU (torch 2.13 raises NotImplementedError), so CPU training masks documents with
-SDPA and a dense mask (config/validate.py says so before step 1); on CUDA FlexAttention skips the masked blocks.
+SDPA and a dense mask (titan/train/rules.py says so before step 1); on CUDA FlexAttention skips the masked blocks.
 """
 
 from collections.abc import Callable

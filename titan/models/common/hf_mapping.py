@@ -15,23 +15,25 @@ ATTENTION_NAMES = {
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
 }
-# SwiGLU w2(silu(w1 x) * w3 x): w1 is HF's gate, w3 its up and w2 its down projection.
-FEED_FORWARD_NAMES = {
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-}
+# SwiGLU w2(silu(w1 x) * w3 x): w1 is HF's gate, w3 its up and w2 its down projection (in Titan's order).
+SWIGLU_PROJECTIONS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
+
+
+def swiglu_names(titan_prefix: str, hf_prefix: str) -> dict[str, str]:
+    """A SwiGLU feed-forward's weights, Titan's `titan_prefix`.w1.weight ... -> HF's `hf_prefix`.gate_proj.weight ..."""
+    return {f"{titan_prefix}.{w}.weight": f"{hf_prefix}.{projection}.weight"
+            for w, projection in SWIGLU_PROJECTIONS.items()}
+
+
+FEED_FORWARD_NAMES = swiglu_names("feed_forward", "mlp")
 NORM_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
 ROUTER_NAMES = {"moe.router.gate.weight": "mlp.gate.weight"}
 # Stacked Titan tensor (num_experts, rows, cols) inside layers.{i} -> HF name of expert {expert}'s (rows, cols).
-EXPERT_NAMES = {
-    "moe.experts.w1": "mlp.experts.{expert}.gate_proj.weight",
-    "moe.experts.w2": "mlp.experts.{expert}.down_proj.weight",
-    "moe.experts.w3": "mlp.experts.{expert}.up_proj.weight",
-}
+EXPERT_NAMES = {f"moe.experts.{w}": f"mlp.experts.{{expert}}.{projection}.weight"
+                for w, projection in SWIGLU_PROJECTIONS.items()}
 ROPE_ROWS = ("attention.wq.weight", "attention.wk.weight")
 """The shared attention's tensors whose rows (of each head) are in RoPE's channel order."""
 

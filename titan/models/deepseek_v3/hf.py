@@ -11,6 +11,7 @@ from titan.models.common.hf_mapping import (
     NORM_NAMES,
     ROUTER_NAMES,
     HFMapping,
+    swiglu_names,
 )
 from titan.models.deepseek_v3.args import DeepSeekV3Args
 
@@ -29,9 +30,7 @@ LOW_RANK_QUERY_NAMES = {
 MOE_NAMES = {
     "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
     **ROUTER_NAMES,
-    "moe.shared_experts.w1.weight": "mlp.shared_experts.gate_proj.weight",
-    "moe.shared_experts.w2.weight": "mlp.shared_experts.down_proj.weight",
-    "moe.shared_experts.w3.weight": "mlp.shared_experts.up_proj.weight",
+    **swiglu_names("moe.shared_experts", "mlp.shared_experts"),
 }
 
 

@@ -1,6 +1,6 @@
 """Pipeline stage arithmetic: which blocks each stage holds, which stages each rank runs, and a schedule's ideal
-bubble. Plain integers only (no torch), so config validation checks a layout with the same code that builds it;
-it lives with the config, below the parallel code that builds the stages (titan/parallel/pp.py), for that reason."""
+bubble. Plain integers only (no torch), so the pipeline's config rules (titan/parallel/rules.py) check a layout with
+the same code that builds it (titan/parallel/pp.py), and the dry run prices its bubble."""
 
 from dataclasses import dataclass
 

@@ -1,5 +1,5 @@
-"""The degree and batch arithmetic of a job, in one place: config validation checks with it, the meshes
-(titan/parallel/dims.py) and the step are built from it."""
+"""The degree and batch arithmetic of a job, in one place: the config rules check with it (titan/parallel/rules.py,
+titan/train/rules.py), the meshes (titan/parallel/dims.py) and the step (titan/train/build.py) are built from it."""
 
 from titan.config.job import Parallelism, Training
 
