@@ -20,9 +20,10 @@ from titan.checkpoint.dcp import read_model_weights
 from titan.checkpoint.hf import HF_CONFIG_FILE, hf_names, rotate_half_rows
 from titan.checkpoint.hf_io import load_hf, read_hf_weights, save_hf
 from titan.config.errors import ConfigError
+from titan.models.common.family import BuildOptions
 from titan.models.common.moe import MoEArgs
 from titan.models.families import FAMILIES
-from titan.models.qwen3 import Qwen3Args, build_qwen3_args
+from titan.models.qwen3 import Qwen3Args
 from titan.parallel.dims import destroy_distributed
 
 from harness.hf_models import (
@@ -237,8 +238,8 @@ def test_scripts_with_model_name_qwen3(tmp_path: Path, monkeypatch: pytest.Monke
     """convert_to_hf.py and convert_from_hf.py (at once, each from a folder written here), and generate.py's model on
     an import, for the MoE debug flavor trained with the default --moe.load_balance_coeff: the checkpoint holds
     routing biases, which HF has no tensor for."""
-    args = build_qwen3_args("debugmodel_moe", VOCAB, 64, 64, "sdpa", 1024, aux_loss_weight=0.0,
-                            load_balance_coeff=1e-3)
+    args = FAMILIES["qwen3"].build_args("debugmodel_moe", BuildOptions(
+        vocab_size=VOCAB, vocab_size_multiple_of=64, max_seq_len=64, moe_load_balance_coeff=1e-3))
     model = build_for_comparison(args, seed=6)
     state_dict = model.state_dict()
     save_dcp({"model": state_dict}, tmp_path / "step-1")

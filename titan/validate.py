@@ -7,6 +7,7 @@ gathers; nothing imports it at run time.
 """
 
 import inspect
+from collections.abc import Mapping
 
 from titan.checkpoint.rules import (
     check_checkpoint,
@@ -122,18 +123,18 @@ def find_problems(cfg: JobConfig, world_size: int, accelerator: Accelerator | No
         about_this_machine = getattr(rule, "about_this_machine", False)
         if about_this_machine and cfg.job.dry_run:
             continue
-        found = run_rule(rule, cfg, world_size, accelerator)
-        if "accelerator" in inspect.signature(rule).parameters:  # the simulated GPU is part of a dry run's config
+        parameters = inspect.signature(rule).parameters
+        found = run_rule(rule, parameters, cfg, world_size, accelerator)
+        if "accelerator" in parameters:  # the simulated GPU is part of a dry run's config
             (problems if cfg.job.dry_run else on_this_machine).extend(found)
         else:
             (on_this_machine if about_this_machine else problems).extend(found)
     return problems, on_this_machine
 
 
-def run_rule(rule: Rule, cfg: JobConfig, world_size: int, accelerator: Accelerator) -> list[str]:
-    """`rule`'s problems with `cfg`: each of its parameters is a section of `cfg` by name, or `world_size` or
+def run_rule(rule: Rule, parameters: Mapping[str, inspect.Parameter], cfg: JobConfig, world_size: int,
+             accelerator: Accelerator) -> list[str]:
+    """`rule`'s problems with `cfg`: each of its `parameters` is a section of `cfg` by name, or `world_size` or
     `accelerator`."""
     given = {"world_size": world_size, "accelerator": accelerator}
-    arguments = {name: given[name] if name in given else getattr(cfg, name)
-                 for name in inspect.signature(rule).parameters}
-    return found_problems(rule(**arguments))
+    return found_problems(rule(**{name: given[name] if name in given else getattr(cfg, name) for name in parameters}))

@@ -7,19 +7,14 @@ from torch import nn
 
 from titan.models.common.args import DecoderArgs
 from titan.models.families import family_of
+from titan.parallel.init import build_full_model
 
 
 def build_model(args: DecoderArgs, seed: int = 0) -> nn.Module:
-    """The family's model of `args` on the CPU: built on meta, materialised, then initialised (its rotary table
-    rebuilt on the CPU) from torch.manual_seed(seed), in training mode."""
-    family = family_of(args)
-    with torch.device("meta"):
-        model = family.model(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        family.init_weights(model, "cpu")
-    return model
+    """The family's model of `args` on the CPU, as the trainer builds a single process's weights
+    (titan/parallel/init.py build_full_model): built on meta, materialised, then initialised from
+    torch.manual_seed(seed), in training mode."""
+    return build_full_model(family_of(args), args, torch.device("cpu"), seed)
 
 
 def build_for_comparison(args: DecoderArgs, seed: int, routing_bias: bool = False) -> nn.Module:

@@ -1,7 +1,7 @@
 """Qwen3, dense and mixture-of-experts: shapes (args), the model, weight init and FLOP counts. Its MoE layer is
 the shared one (titan/models/common/moe.py)."""
 
-from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args, build_qwen3_args
+from titan.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from titan.models.qwen3.flops import flops_per_token
 from titan.models.qwen3.init import init_weights
 from titan.models.qwen3.model import Transformer
@@ -10,7 +10,6 @@ __all__ = [
     "QWEN3_FLAVORS",
     "Qwen3Args",
     "Transformer",
-    "build_qwen3_args",
     "flops_per_token",
     "init_weights",
 ]

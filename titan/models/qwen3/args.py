@@ -3,8 +3,7 @@ model."""
 
 from dataclasses import dataclass
 
-from titan.models.common.args import AttnBackend, DecoderArgs
-from titan.models.common.family import BuildOptions, args_with_options
+from titan.models.common.args import DecoderArgs
 from titan.models.common.moe import MoEArgs
 
 # Qwen3's vocabulary as its checkpoints store it: 151,669 tokens padded to 151,936 rows. The flavor table uses it as a
@@ -62,14 +61,3 @@ QWEN3_FLAVORS: dict[str, Qwen3Args] = {
     "235B-A22B": qwen3_moe(dim=4096, n_layers=94, n_heads=64, dense_hidden=12288, num_experts=128, top_k=8,
                            expert_hidden=1536),
 }
-
-
-def build_qwen3_args(flavor: str, vocab_size: int, vocab_size_multiple_of: int, max_seq_len: int,
-                     attn_backend: AttnBackend, loss_chunk_size: int, aux_loss_weight: float,
-                     load_balance_coeff: float, valueless: bool = False) -> Qwen3Args:
-    """The flavor's args with these options, as the family's build_args makes them from BuildOptions
-    (titan/models/common/family.py args_with_options)."""
-    return args_with_options(QWEN3_FLAVORS[flavor], BuildOptions(
-        vocab_size=vocab_size, vocab_size_multiple_of=vocab_size_multiple_of, max_seq_len=max_seq_len,
-        attn_backend=attn_backend, loss_chunk_size=loss_chunk_size, moe_aux_loss_weight=aux_loss_weight,
-        moe_load_balance_coeff=load_balance_coeff, valueless=valueless))
