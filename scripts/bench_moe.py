@@ -31,9 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from titan.models.common import moe as moe_module  # noqa: E402
-from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU  # noqa: E402
-from titan.quant.float8.grouped import Float8ExpertSwiGLU  # noqa: E402
-from titan.quant.mx.grouped import MXExpertSwiGLU  # noqa: E402
+from titan.models.common.moe import (  # noqa: E402
+    READ_COUNTS,
+    ExpertMatmuls,
+    GroupedExperts,
+    HighPrecisionMatmuls,
+    swiglu_expert,
+)
+from titan.quant.float8.grouped import Float8ExpertMatmuls  # noqa: E402
+from titan.quant.mx.grouped import MXExpertMatmuls  # noqa: E402
 from titan.quant.rules import FLOAT8_GROUPED_MAJORS, MX_GROUPED_MAJORS  # noqa: E402
 
 # (tokens, dim, experts, top_k, expert hidden): the debug MoE flavor's layer at 4 x 256 tokens, and one of
@@ -58,7 +64,7 @@ def time_experts(tokens: int, dim: int, experts: int, top_k: int, hidden: int, g
     counts = torch.full((experts,), tokens * top_k // experts)
     upstream = torch.randn(tokens * top_k, dim)
     supported = moe_module.grouped_mm_supported
-    moe_module.grouped_mm_supported = supported if grouped else (lambda x, valueless: False)
+    moe_module.grouped_mm_supported = supported if grouped else (lambda x, token_counts: False)
     try:
         times = []
         for i in range(13):
@@ -81,9 +87,10 @@ def bench_layer() -> None:
         print(f"{name:<16} {tokens * top_k:>14} {1e3 * grouped:>13.1f} {1e3 * loop:>10.1f} {loop / grouped:>15.2f}")
 
 
-def time_swiglu(swiglu: ExpertSwiGLU, tokens: int, dim: int, experts: int, top_k: int, hidden: int,
-                device: torch.device) -> float:
-    """Median seconds of one forward + backward of `swiglu` over tokens x top_k evenly routed copies, bf16."""
+def time_matmuls(matmuls: ExpertMatmuls, tokens: int, dim: int, experts: int, top_k: int, hidden: int,
+                 device: torch.device) -> float:
+    """Median seconds of one forward + backward of the SwiGLU experts with `matmuls` over tokens x top_k evenly
+    routed copies, bf16."""
     torch.manual_seed(0)
     weights = [(torch.randn(experts, *shape, device=device) * 0.02).bfloat16().requires_grad_()
                for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
@@ -95,7 +102,8 @@ def time_swiglu(swiglu: ExpertSwiGLU, tokens: int, dim: int, experts: int, top_k
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        (swiglu(x, counts, *weights) * upstream).sum().backward()
+        params = dict(zip(GroupedExperts.weight_names, weights))
+        (matmuls(x, counts, params, swiglu_expert, READ_COUNTS) * upstream).sum().backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if i >= 3:
@@ -111,14 +119,15 @@ def bench_precisions() -> None:
     tokens, dim, experts, top_k, hidden = (8192, 2048, 16, 8, 768) if cuda else (512, 2048, 16, 8, 768)
     print(f"Experts of 30B-A3B's shape ({experts} experts, dim {dim}, hidden {hidden}) over {tokens} x {top_k} "
           f"routed tokens, forward + backward, bf16, on {where}, torch {torch.__version__} (median of 10):")
-    swiglus = {"bf16": HighPrecisionSwiGLU(),
-               "float8 rowwise": Float8ExpertSwiGLU("rowwise", emulate=capability[0] not in FLOAT8_GROUPED_MAJORS),
-               "mxfp8": MXExpertSwiGLU(emulate=capability[0] not in MX_GROUPED_MAJORS)}
+    all_matmuls = {"bf16": HighPrecisionMatmuls(),
+                   "float8 rowwise": Float8ExpertMatmuls("rowwise",
+                                                         emulate=capability[0] not in FLOAT8_GROUPED_MAJORS),
+                   "mxfp8": MXExpertMatmuls(emulate=capability[0] not in MX_GROUPED_MAJORS)}
     baseline = None
-    for name, swiglu in swiglus.items():
-        seconds = time_swiglu(swiglu, tokens, dim, experts, top_k, hidden, device)
+    for name, matmuls in all_matmuls.items():
+        seconds = time_matmuls(matmuls, tokens, dim, experts, top_k, hidden, device)
         baseline = baseline or seconds
-        emulated = " (emulated)" if getattr(swiglu, "emulate", False) else ""
+        emulated = " (emulated)" if getattr(matmuls, "emulate", False) else ""
         print(f"  {name + emulated:<26} {1e3 * seconds:9.2f} ms  {baseline / seconds:5.2f}x bf16's speed")
 
 

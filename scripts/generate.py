@@ -20,7 +20,6 @@ from torch import Tensor, nn
 from checkpoint_common import build_args, checkpoint_parser, parse_model_flags, read_checked_weights, run_script
 from titan.checkpoint.hf_io import read_hf_weights
 from titan.models.common.family import ModelFamily
-from titan.models.common.rotary import precompute_rope_cache
 from titan.models.families import FAMILIES
 from titan_flags import parse_with_titan_flags
 
@@ -51,12 +50,12 @@ def parse_cli() -> tuple[argparse.Namespace, list[str]]:
 def build_model(family: ModelFamily, args: Any, state_dict: dict[str, Tensor], device: torch.device) -> nn.Module:
     """Build on meta and adopt the checkpoint's tensors (in float32) as the parameters: initialising weights
     only to overwrite them would cost minutes on a CPU for an 8B model. Checkpoints don't hold the rotary
-    table (a non-persistent buffer), so it is built here, as init_weights builds it."""
+    tables (non-persistent buffers), so they are built here, as init_weights builds them."""
     with torch.device("meta"):
         model = family.model(args)
     model.load_state_dict({fqn: tensor.to(device, torch.float32) for fqn, tensor in state_dict.items()}, assign=True)
     with torch.device(device):
-        model.rope.cache = precompute_rope_cache(args)
+        model.rope.rebuild()
     return model.eval()
 
 

@@ -61,7 +61,7 @@ from titan.models.common.attention import (  # noqa: E402
     build_block_mask,
     build_dense_mask,
 )
-from titan.models.common.moe import grouped_mm_supported, grouped_swiglu  # noqa: E402
+from titan.models.common.moe import READ_COUNTS, HighPrecisionMatmuls, grouped_mm_supported, swiglu_expert  # noqa: E402
 from titan.train.bf16_state import adam_update, compiled_adam_update, rounding_keys  # noqa: E402
 
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
@@ -341,14 +341,15 @@ def grouped_mm_against_loop(device: torch.device) -> str:
     counts = torch.tensor([300, 0, 17, 1024, 5, 211, 77, 414], device=device)
     num_experts, dim, hidden = counts.numel(), 256, 512
     x = torch.randn(int(counts.sum()), dim, device=device)
-    if not grouped_mm_supported(x.bfloat16(), valueless=False):
+    if not grouped_mm_supported(x.bfloat16()):
         raise CheckFailed(f"torch._grouped_mm does not run here for bf16 (grouped_mm_supported), so the MoE experts "
                           f"would take the loop: {torch.cuda.get_device_name(device)} needs SM90 or newer")
     weights = [torch.randn(num_experts, *shape, device=device) * shape[1] ** -0.5
                for shape in ((hidden, dim), (dim, hidden), (hidden, dim))]
     grad_output = torch.randn_like(x)
-    grouped = outputs_and_grads(lambda *tensors: grouped_swiglu(tensors[0], counts, *tensors[1:], valueless=False),
-                                [x, *weights], grad_output, torch.bfloat16)
+    def grouped_swiglu(x: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
+        return HighPrecisionMatmuls()(x, counts, {"w1": w1, "w2": w2, "w3": w3}, swiglu_expert, READ_COUNTS)
+    grouped = outputs_and_grads(grouped_swiglu, [x, *weights], grad_output, torch.bfloat16)
     loop, golden = (outputs_and_grads(lambda *tensors: expert_loop(tensors[0], counts, *tensors[1:]), [x, *weights],
                                       grad_output, dtype) for dtype in (torch.bfloat16, torch.float32))
     names = ("output", "dx", "dw1", "dw2", "dw3")

@@ -13,7 +13,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from titan.config.errors import ConfigError
 from titan.data.micro_batch import document_layout, mask_cross_document_targets
-from titan.models.common.attention import build_block_mask, compile_visible_region
+from titan.models.common.attention import (
+    AttentionMask,
+    build_block_mask,
+    build_dense_mask,
+    build_inner_attention,
+    causal_window,
+    compile_visible_region,
+    sink_transform,
+)
 from titan.models.common.loss import IGNORE_INDEX
 from titan.models.llama import ModelArgs
 from titan.parallel import ac
@@ -21,6 +29,7 @@ from titan.parallel.ac import apply_ac, selective_policy
 from titan.validate import load_job_config
 
 from harness.models import build_model
+from reference.attention_ref import attention_with_sink_column
 
 VOCAB, EOS = 2256, 2255
 SEQ = 24
@@ -141,6 +150,64 @@ def test_flex_block_mask_equals_the_documents_mask() -> None:
     q, k, v = torch.randn(3, len(rows), 2, LONG_SEQ, 16).unbind(0)  # (bs, heads, seq, head_dim) each
     got = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=want), rtol=1e-5, atol=1e-5)
+
+
+def windowed_mask(starts: list[int], seq: int, window: int) -> Tensor:
+    """mask_of_documents within a sliding window, from positions: query i also needs key j to be less than `window`
+    positions back (transformers' sliding window keeps j > i - window)."""
+    positions = torch.arange(seq)
+    recent = positions[None, :] > positions[:, None] - window  # (seq, seq): [query, key]
+    return mask_of_documents(starts, seq) & recent
+
+
+@pytest.mark.parametrize("window", [1, 128, 200])
+def test_windowed_masks_keep_the_keys_within_the_window(window: int) -> None:
+    """A window's dense mask (SDPA, with and without documents) and FlexAttention's BlockMask are the mask built from
+    positions, and the BlockMask is block-sparse: a query block reads at most the key blocks its window reaches
+    (ceil((window - 1) / 128) + 1 of them), so a window costs what it computes; its compiled kernel computes what SDPA
+    computes under the dense mask."""
+    rows = list(LONG_LAYOUTS.values())
+    tokens = torch.cat([packed_row(starts, LONG_SEQ) for starts in rows])
+    _, document_ids = document_layout(tokens == EOS)
+    want = torch.stack([windowed_mask(starts, LONG_SEQ, window) for starts in rows])[:, None]  # (bs, 1, seq, seq)
+    assert torch.equal(build_dense_mask(document_ids, window), want)
+    assert torch.equal(causal_window(LONG_SEQ, window, torch.device("cpu")), windowed_mask([], LONG_SEQ, window))
+    block_mask = build_block_mask(document_ids, LONG_SEQ, tokens.device, window)
+    assert torch.equal(create_mask(block_mask.mask_mod, len(rows), 1, LONG_SEQ, LONG_SEQ, device="cpu"), want)
+    causal_blocks = build_block_mask(None, LONG_SEQ, tokens.device, window).to_dense().bool()[0, 0]
+    reach = -(-(window - 1) // BLOCK) + 1
+    assert causal_blocks.sum(dim=-1).max() == min(reach, LONG_SEQ // BLOCK)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, len(rows), 2, LONG_SEQ, 16).unbind(0)  # (bs, heads, seq, head_dim) each
+    got = torch.compile(flex_attention, dynamic=False)(q, k, v, block_mask=block_mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_sinks_equal_an_explicit_softmax_with_the_sink_column(backend: str) -> None:
+    """Attention with sinks (the kernel's log-sum-exp through sink_transform) equals the softmax written out with each
+    head's sink as one more logit column (tests/reference/attention_ref.py), over documents and a window, grouped kv
+    heads included; and, through SDPA's written-out path, in the gradients of q, k, v and the sinks too. FlexAttention
+    runs its forward only (torch has no FlexAttention backward on CPU); on a GPU the trainer runs both."""
+    starts = LONG_LAYOUTS["documents crossing blocks"]
+    tokens = packed_row(starts, LONG_SEQ)
+    _, document_ids = document_layout(tokens == EOS)
+    torch.manual_seed(0)
+    training = backend == "sdpa"
+    q = torch.randn(1, 4, LONG_SEQ, 16, requires_grad=training)
+    k, v = (torch.randn(1, 2, LONG_SEQ, 16, requires_grad=training) for _ in range(2))
+    sinks = torch.randn(4, requires_grad=training)
+    mask = AttentionMask(backend, [BLOCK])(torch.empty(1, LONG_SEQ, 1), document_ids)[BLOCK]
+    want = attention_with_sink_column(q, k, v, build_dense_mask(document_ids, BLOCK), sinks)
+    got = build_inner_attention(backend)(q, k, v, mask, out_transform=sink_transform(sinks))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if training:
+        upstream = torch.randn_like(want)
+        want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v, sinks))
+        got_grads = torch.autograd.grad((got * upstream).sum(), (q, k, v, sinks))
+        for name, got_grad, want_grad in zip("qkv", got_grads, want_grads):
+            torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-5, msg=name)
+        torch.testing.assert_close(got_grads[3], want_grads[3], rtol=1e-5, atol=1e-4, msg="sinks")
 
 
 @pytest.mark.parametrize("layout", ["two documents", "many documents", "documents cut by both ends"])

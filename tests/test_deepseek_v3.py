@@ -98,9 +98,9 @@ def test_latent_attention_keeps_documents_apart() -> None:
     positions, document_ids = document_layout(tokens == eos)
     x = torch.randn(1, 12, args.dim)
     with torch.no_grad():
-        packed = block(x, model.rope(positions), build_dense_mask(document_ids))
+        packed = block(x, model.rope.cache[positions], build_dense_mask(document_ids))
         for start, end in [(0, 4), (4, 9), (9, 12)]:
-            alone = block(x[:, start:end], model.rope(torch.arange(end - start)), None)
+            alone = block(x[:, start:end], model.rope.cache[:end - start], None)
             torch.testing.assert_close(packed[:, start:end], alone, rtol=1e-5, atol=1e-6)
 
 
@@ -139,7 +139,7 @@ def test_mtp_loss_enters_the_gradient_not_the_reported_loss() -> None:
 
     # By hand: the trunk's hidden states, MTP depth 1 on them, and the weighted sum.
     h = model.tok_embeddings(tokens)
-    rope = model.rope(torch.arange(32))
+    rope = model.rope.cache[:32]
     for layer in model.layers.values():
         h = layer(h, rope, None)
     main = F.cross_entropy(model.output(model.norm(h))[..., :VOCAB].flatten(0, 1), labels.flatten(), reduction="sum")

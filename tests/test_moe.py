@@ -12,7 +12,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 
 from titan.config.errors import ConfigError
 from titan.models.common import moe as moe_module
-from titan.models.common.moe import MoE, MoEArgs, Router, grouped_swiglu, load_balancing_loss
+from titan.models.common.moe import (
+    READ_COUNTS,
+    HighPrecisionMatmuls,
+    MoE,
+    MoEArgs,
+    Router,
+    load_balancing_loss,
+    swiglu_expert,
+)
 from titan.models.qwen3 import QWEN3_FLAVORS
 from titan.parallel.ac import op_sac_context
 from titan.parallel.dims import resolve_dims
@@ -34,13 +42,19 @@ def build_moe(args: MoEArgs = MOE, dim: int = 8, seed: int = 0) -> MoE:
     return layer
 
 
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """The high-precision experts' SwiGLU over x's blocks of counts rows."""
+    return HighPrecisionMatmuls()(x, counts, {"w1": w1, "w2": w2, "w3": w3}, swiglu_expert, READ_COUNTS)
+
+
 def dense_moe_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     """Every expert on every token, each token's output the routed experts' outputs weighted by the router: the
     definition, with none of the sorting, grouping or scattering."""
     tokens = x.reshape(-1, x.size(-1))
     weights, experts, _ = layer.router(tokens)
     outputs = torch.stack([grouped_swiglu(tokens, torch.tensor([tokens.size(0)]), layer.experts.w1[e:e + 1],
-                                          layer.experts.w2[e:e + 1], layer.experts.w3[e:e + 1], valueless=False)
+                                          layer.experts.w2[e:e + 1], layer.experts.w3[e:e + 1])
                            for e in range(layer.experts.num_experts)], dim=1)  # (tokens, experts, dim)
     picked = outputs.gather(1, experts[..., None].expand(-1, -1, tokens.size(-1)))  # (tokens, top_k, dim)
     return (picked * weights[..., None]).sum(dim=1).view_as(x)
@@ -81,13 +95,13 @@ def test_grouped_matmuls_match_the_loop_over_experts(monkeypatch: pytest.MonkeyP
     def run() -> list[torch.Tensor]:
         for tensor in (x, *weights):
             tensor.grad = None
-        out = grouped_swiglu(x, torch.tensor(counts), *weights, valueless=False)
+        out = grouped_swiglu(x, torch.tensor(counts), *weights)
         (out * upstream).sum().backward()
         return [out.detach(), x.grad, *(w.grad for w in weights)]
 
-    assert moe_module.grouped_mm_supported(x, valueless=False)  # torch._grouped_mm on the CPU
+    assert moe_module.grouped_mm_supported(x)  # torch._grouped_mm on the CPU
     grouped = run()
-    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda x, valueless: False)
+    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda x, token_counts: False)
     for got, want in zip(grouped, run()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

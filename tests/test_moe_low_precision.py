@@ -25,14 +25,14 @@ from torchao.quantization.quantize_.common import KernelPreference
 from titan.config.errors import ConfigError
 from titan.config.job import MX, NVFP4, Float8
 from titan.hardware import SIMULATED_GPUS, Accelerator
-from titan.models.common.moe import HighPrecisionSwiGLU, MoE, MoEArgs, moe_layers
+from titan.models.common.moe import READ_COUNTS, HighPrecisionMatmuls, MoE, MoEArgs, moe_layers
 from titan.models.families import FAMILIES
 from titan.quant.convert import apply_converters, apply_float8, format_report
 from titan.quant.float8.casts import dequantize
 from titan.quant.float8.grouped import (
     EXPERT_RECIPES,
     FLOAT8_GROUP_ALIGNMENT,
-    Float8ExpertSwiGLU,
+    Float8ExpertMatmuls,
     Float8GroupedMatmul,
     cast_expert_columns,
     cast_tokens,
@@ -40,7 +40,7 @@ from titan.quant.float8.grouped import (
 )
 from titan.quant.formats import E4M3
 from titan.quant.grouped import pad_groups
-from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertSwiGLU
+from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertMatmuls
 from titan.validate import find_problems, load_job_config, validate
 
 from harness.debug_training import DEBUG_TOML
@@ -65,12 +65,12 @@ def expert_operands(dtype: torch.dtype, seed: int = 0) -> tuple[Tensor, Tensor, 
     return x.to(dtype), counts, weight.to(dtype), grad.to(dtype)
 
 
-def titan_grouped_mm(swiglu: Float8ExpertSwiGLU | MXExpertSwiGLU, x: Tensor, counts: Tensor, weight: Tensor,
+def titan_grouped_mm(matmuls: Float8ExpertMatmuls | MXExpertMatmuls, x: Tensor, counts: Tensor, weight: Tensor,
                      grad: Tensor, alignment: int) -> tuple[Tensor, Tensor, Tensor]:
     """One of the experts' grouped matmuls as the experts run it (padded blocks): output, grad_input, grad_weight."""
     x, weight = x.clone().requires_grad_(), weight.clone().requires_grad_()
     groups = pad_groups(counts, x.size(0), alignment)
-    out = groups.unpad(swiglu.grouped_mm(groups.pad(x), weight, groups))
+    out = groups.unpad(matmuls.grouped_mm(groups.pad(x), weight, groups, READ_COUNTS))
     out.backward(grad)
     return out, x.grad, weight.grad
 
@@ -81,7 +81,7 @@ def test_mxfp8_experts_equal_torchao_bit_for_bit(dtype: torch.dtype) -> None:
     output and both gradients are the same bits. torchao returns bf16 (its out_dtype, what the kernels write); so do
     Titan's experts, cast to the input's dtype after the matmul, and so the output gradient reaches both as bf16."""
     x, counts, weight, grad = expert_operands(dtype)
-    got = titan_grouped_mm(MXExpertSwiGLU(emulate=True), x, counts, weight, grad, MX_GROUP_ALIGNMENT)
+    got = titan_grouped_mm(MXExpertMatmuls(emulate=True), x, counts, weight, grad, MX_GROUP_ALIGNMENT)
     x_ref, weight_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
     out_ref = _to_mxfp8_then_scaled_grouped_mm(
         x_ref, weight_ref.transpose(-2, -1), counts.cumsum(0).to(torch.int32), out_dtype=torch.bfloat16,
@@ -150,7 +150,7 @@ def float8_matmuls(recipe_name: str, dtype: torch.dtype) -> dict[str, tuple[Tens
     groups = pad_groups(counts, x.size(0), FLOAT8_GROUP_ALIGNMENT)
     padded_x, padded_grad = groups.pad(x).requires_grad_(), groups.pad(grad)
     weight = weight.clone().requires_grad_()
-    out = Float8GroupedMatmul.apply(padded_x, weight, groups.offsets, groups.expert_of_row, recipe, True, False)
+    out = Float8GroupedMatmul.apply(padded_x, weight, groups.offsets, groups.expert_of_row, recipe, True, READ_COUNTS)
     out.backward(padded_grad)
     ends = groups.offsets.tolist()
 
@@ -233,7 +233,7 @@ def test_converters_take_the_experts_and_report_them() -> None:
     experts = [d for d in decisions if d.num_experts]
     assert [d.fqn for d in experts] == [f"layers.{i}.moe.experts" for i in range(6)]
     assert {d.result for d in experts} == {"mx mxfp8 grouped, token groups padded to 32 (emulated)"}
-    assert all(isinstance(moe.experts.swiglu, MXExpertSwiGLU) for moe in moe_layers(model).values())
+    assert all(isinstance(moe.experts.matmuls, MXExpertMatmuls) for moe in moe_layers(model).values())
     routers = [d for d in decisions if d.fqn.endswith("router.gate")]
     assert routers and not any(d.converted for d in routers)
     report = format_report(decisions)
@@ -249,7 +249,7 @@ def test_converters_take_the_experts_and_report_them() -> None:
 
     model = qwen3_moe_on_meta()
     decisions = apply_float8(model, Float8(emulate=True, moe_fqns_prototype=[]))
-    assert all(type(moe.experts.swiglu) is HighPrecisionSwiGLU for moe in moe_layers(model).values())
+    assert all(type(moe.experts.matmuls) is HighPrecisionMatmuls for moe in moe_layers(model).values())
     assert "skipped: not matched by --float8.moe_fqns_prototype (empty)" in {d.result for d in decisions}
 
 

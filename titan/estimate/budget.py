@@ -168,6 +168,7 @@ def titan_block_kernels(job: BudgetJob, gpu: str = "H100") -> list[OpCost]:
             bf16_parameters(model)
             ac.apply_ac(model, "selective", "op", save_attention=False)
             x = torch.empty(*shape, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            rope = model.rope(torch.zeros(shape, dtype=torch.int64, device="cuda"))  # (bs, seq, head_dim // 2, 2)
+            positions = torch.zeros(shape, dtype=torch.int64, device="cuda")
+            rope = model.rope(positions)[args.layer_attention(0).rope]  # (bs, seq, head_dim // 2, 2)
             block = model.layers["0"]
             return record_block(lambda: block(x, rope, None))

@@ -17,6 +17,7 @@ their backward), where Titan's exchange is written once, in autograd-aware colle
 """
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -25,7 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan.metrics.log import logger
-from titan.models.common.attention import expand_kv_heads
+from titan.models.common.args import AttentionSpec
+from titan.models.common.attention import OutTransform, attention_with_lse, expand_kv_heads
 
 ROTATE_METHODS = ("allgather", "alltoall")
 
@@ -74,72 +76,95 @@ def shard_batch(cp_mesh: DeviceMesh | None, *tensors: Tensor | None) -> tuple[Te
     return tuple(None if tensor is None else shard_sequence(tensor, 1, rank, degree) for tensor in tensors)
 
 
-def uses_torch_context_parallel(device_type: str, block_causal: bool) -> bool:
-    """Whether torch's ring attention runs: its SDPA dispatcher only handles the causal CUDA kernels. On CPU, torch
-    2.13 stops with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding
-    strategy registered", so every other device, and block-causal attention, runs the implementation here."""
-    return device_type == "cuda" and not block_causal
+def uses_torch_context_parallel(device_type: str, block_causal: bool, spec: AttentionSpec) -> bool:
+    """Whether torch's ring attention runs for a block that attends as `spec`: its SDPA dispatcher only handles the
+    causal CUDA kernels, with no window and no log-sum-exp for sinks. On CPU, torch 2.13 stops with "Operator
+    aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy registered", so every
+    other device, block-causal attention, sliding windows and sinks run the implementation here."""
+    return device_type == "cuda" and not block_causal and spec.window is None and not spec.sinks
 
 
-def describe_cp_path(device_type: str, rotate_method: str, block_causal: bool) -> str:
-    """One sentence saying which attention implementation context parallel runs, for the startup log."""
-    if uses_torch_context_parallel(device_type, block_causal):
+def describe_cp_path(device_type: str, rotate_method: str, block_causal: bool, specs: list[AttentionSpec]) -> str:
+    """One sentence saying which attention implementation context parallel runs for blocks attending as `specs`, for
+    the startup log."""
+    torch_ring = [uses_torch_context_parallel(device_type, block_causal, spec) for spec in specs]
+    if all(torch_ring):
         return (f"Context parallel attention: torch's ring attention over the CUDA SDPA kernels, rotating K/V by "
                 f"{rotate_method}.")
-    reason = ("it keeps documents apart, which torch's SDPA ring does not" if block_causal else
-              f"torch's only covers the CUDA SDPA kernels and this device is {device_type}")
-    return f"Context parallel attention: titan's {rotate_method} implementation, since {reason}."
+    if block_causal:
+        reason = "it keeps documents apart, which torch's SDPA ring does not"
+    elif device_type != "cuda":
+        reason = f"torch's only covers the CUDA SDPA kernels and this device is {device_type}"
+    else:
+        reason = "sliding windows and sinks are beyond torch's SDPA ring"
+    where = "" if not any(torch_ring) else " for the blocks with a window or sinks (torch's ring for the others)"
+    return f"Context parallel attention: titan's {rotate_method} implementation{where}, since {reason}."
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, rotate_method: str, block_causal: bool) -> None:
     """Make `model` (a Transformer, or a pipeline stage of one) compute this rank's rows of every sequence, given
     its head-tail shard of the tokens, rotary positions and document ids (shard_batch): each block's attention
-    kernel becomes a ContextParallelAttention, and the model's attention mask the whole sequence's document ids
-    (DocumentIds), which that attention reads."""
+    kernel becomes a ContextParallelAttention for its AttentionSpec, and the model's attention mask the whole
+    sequence's document ids with each block's window (SequenceMasks), which that attention reads."""
     if rotate_method not in ROTATE_METHODS:
         raise ValueError(f"--parallelism.context_parallel_rotate_method {rotate_method!r} is not one of "
                          f"{ROTATE_METHODS}.")
-    for block in model.layers.values():
-        block.attention.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, block_causal)
-    model.attention_mask = DocumentIds(cp_mesh)
+    specs = {layer_id: model.args.layer_attention(int(layer_id)) for layer_id in model.layers}
+    for layer_id, block in model.layers.items():
+        block.attention.inner_attention = ContextParallelAttention(cp_mesh, rotate_method, block_causal,
+                                                                   specs[layer_id])
+    model.attention_mask = SequenceMasks(cp_mesh, [spec.window for spec in model.args.attention_specs()])
     logger.info(f"Applied context parallel over {cp_mesh.size()} ranks: each holds 2 of {2 * cp_mesh.size()} chunks "
-                f"of every sequence. {describe_cp_path(cp_mesh.device_type, rotate_method, block_causal)}")
+                f"of every sequence. "
+                f"{describe_cp_path(cp_mesh.device_type, rotate_method, block_causal, list(specs.values()))}")
 
 
-class DocumentIds(nn.Module):
-    """The attention mask of a context-parallel model: the whole sequence's document ids (bs, seq) in natural order,
-    gathered once per forward from every rank's shard (None for causal attention)."""
+class SequenceMask(NamedTuple):
+    """What context-parallel attention reads for a block besides q, k and v: the whole sequence's document ids (bs,
+    seq) in natural order (None: causal attention), and the block's sliding window (None: every earlier key)."""
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    document_ids: Tensor | None
+    window: int | None
+
+
+class SequenceMasks(nn.Module):
+    """The attention masks of a context-parallel model, one SequenceMask per distinct window of its blocks: the
+    document ids gathered once per forward from every rank's shard."""
+
+    def __init__(self, cp_mesh: DeviceMesh, windows: list[int | None]) -> None:
         super().__init__()
         self.cp_mesh = cp_mesh
+        self.windows = list(dict.fromkeys(windows))
 
-    def forward(self, h: Tensor, document_ids: Tensor | None) -> Tensor | None:
-        return None if document_ids is None else unshard_sequence(document_ids, 1, self.cp_mesh)
+    def forward(self, h: Tensor, document_ids: Tensor | None) -> dict[int | None, SequenceMask]:
+        gathered = None if document_ids is None else unshard_sequence(document_ids, 1, self.cp_mesh)
+        return {window: SequenceMask(gathered, window) for window in self.windows}
 
 
 class ContextParallelAttention(nn.Module):
-    """Causal or block-causal attention of this rank's head-tail shards of q (bs, heads, local_seq, head_dim) and
-    k, v (bs, kv_heads, local_seq, head_dim): this rank's rows of that attention over the whole sequence, given the
-    whole sequence's document ids (DocumentIds; None: causal). Replaces the model's attention kernel in every block
-    under context parallel."""
+    """Attention of this rank's head-tail shards of q (bs, heads, local_seq, head_dim) and k, v (bs, kv_heads,
+    local_seq, head_dim) as a block attending as `spec` computes it: this rank's rows of causal or block-causal
+    attention over the whole sequence, within the block's window, given a SequenceMask. An `out_transform` (the
+    block's sinks) gets the softmax's log-sum-exp over the whole sequence, once the ranks' partial softmaxes have
+    merged. Replaces the model's attention kernel in every block under context parallel."""
 
-    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str, block_causal: bool) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, rotate_method: str, block_causal: bool, spec: AttentionSpec) -> None:
         super().__init__()
-        self.torch_ring = uses_torch_context_parallel(cp_mesh.device_type, block_causal)
+        self.torch_ring = uses_torch_context_parallel(cp_mesh.device_type, block_causal, spec)
         if self.torch_ring:
             self.kernel = build_torch_ring_attention(cp_mesh, rotate_method)
         else:
             self.kernel = TitanRingAttention(cp_mesh, rotate_method)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: SequenceMask,
+                out_transform: OutTransform | None = None) -> Tensor:
         # Neither ring attention takes grouped kv heads: give each query head its kv head (h // n_rep), as SDPA's
         # enable_gqa reads them.
         n_rep = query.size(1) // key.size(1)
         key, value = expand_kv_heads(key, n_rep), expand_kv_heads(value, n_rep)
         if self.torch_ring:
             return self.kernel(query, key, value)
-        return self.kernel(query, key, value, document_ids)
+        return self.kernel(query, key, value, mask, out_transform)
 
 
 class _CausalSDPA(nn.Module):
@@ -170,7 +195,8 @@ def build_torch_ring_attention(cp_mesh: DeviceMesh, rotate_method: str) -> nn.Mo
 
 
 class TitanRingAttention(nn.Module):
-    """Causal attention over head-tail shards with the collectives of `rotate_method`, for any device."""
+    """Causal attention over head-tail shards with the collectives of `rotate_method`, for any device, within the
+    documents and the window of a SequenceMask, with an optional epilogue on the merged output and log-sum-exp."""
 
     def __init__(self, cp_mesh: DeviceMesh, rotate_method: str) -> None:
         super().__init__()
@@ -178,37 +204,53 @@ class TitanRingAttention(nn.Module):
         self.cp_rank, self.cp_degree = cp_mesh.get_local_rank(), cp_mesh.size()
         self.method = _allgather_attention if rotate_method == "allgather" else _ring_attention
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None) -> Tensor:
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: SequenceMask,
+                out_transform: OutTransform | None) -> Tensor:
         assert query.size(2) == key.size(2) and query.size(2) % 2 == 0, "q/k must be head-tail shards of one sequence"
         scale = 1.0 / math.sqrt(query.size(-1))  # SDPA's default
-        return self.method(query, key, value, document_ids, scale, self.group_name, self.cp_rank, self.cp_degree)
+        out, lse = self.method(query, key, value, mask, scale, self.group_name, self.cp_rank, self.cp_degree,
+                               with_lse=out_transform is not None)
+        return out if out_transform is None else out_transform(out, lse)
 
 
-def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None, scale: float,
-                         group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
+def _visible(query_positions: Tensor, key_positions: Tensor, mask: SequenceMask) -> Tensor:
+    """Which keys (global positions `key_positions`) each query (`query_positions`) reads: causal, within the window
+    and document of `mask`; (queries, keys) or (bs, 1, queries, keys) with document ids."""
+    visible = key_positions[None, :] <= query_positions[:, None]
+    if mask.window is not None:
+        visible = visible & (key_positions[None, :] > query_positions[:, None] - mask.window)
+    if mask.document_ids is not None:
+        same_document = mask.document_ids[:, query_positions, None] == mask.document_ids[:, None, key_positions]
+        visible = (visible & same_document)[:, None]
+    return visible
+
+
+def _allgather_attention(query: Tensor, key: Tensor, value: Tensor, mask: SequenceMask, scale: float,
+                         group_name: str, cp_rank: int, cp_degree: int,
+                         with_lse: bool) -> tuple[Tensor, Tensor | None]:
     """Gather all keys and values (their gradients reduce-scatter back), and mask each local query row to the
-    keys at or before its global position (and in its document). Every row sees at least its own key, so none is
-    fully masked."""
+    keys at or before its global position (and in its document and window): (out, its log-sum-exp (bs, heads,
+    local_seq) where `with_lse`, else None). Every row sees at least its own key, so none is fully masked."""
     chunk_len = query.size(2) // 2
     # (bs, heads, seq, head_dim), rows in rank-major head-tail order: the mask below follows that order.
     all_keys = all_gather_autograd(key.contiguous(), gather_dim=2, group=group_name)
     all_values = all_gather_autograd(value.contiguous(), gather_dim=2, group=group_name)
-    query_positions = _positions(cp_rank, cp_degree, chunk_len, query.device)
-    key_positions = _gathered_positions(cp_degree, chunk_len, query.device)
-    visible = key_positions[None, :] <= query_positions[:, None]  # (local_seq, seq)
-    if document_ids is not None:
-        same_document = document_ids[:, query_positions, None] == document_ids[:, None, key_positions]
-        visible = (visible & same_document)[:, None]  # (bs, 1, local_seq, seq)
-    return F.scaled_dot_product_attention(query, all_keys, all_values, attn_mask=visible, scale=scale)
+    visible = _visible(_positions(cp_rank, cp_degree, chunk_len, query.device),
+                       _gathered_positions(cp_degree, chunk_len, query.device), mask)
+    if with_lse:
+        return attention_with_lse(query, all_keys, all_values, visible)
+    return F.scaled_dot_product_attention(query, all_keys, all_values, attn_mask=visible, scale=scale), None
 
 
-def _ring_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Tensor | None, scale: float,
-                    group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
-    """Pass K/V around the ring (cp_degree - 1 hops) and merge each block's partial attention by its log-sum-exp.
+def _ring_attention(query: Tensor, key: Tensor, value: Tensor, mask: SequenceMask, scale: float, group_name: str,
+                    cp_rank: int, cp_degree: int, with_lse: bool) -> tuple[Tensor, Tensor | None]:
+    """Pass K/V around the ring (cp_degree - 1 hops) and merge each block's partial attention by its log-sum-exp:
+    (out, the merged log-sum-exp (bs, heads, local_seq) where `with_lse`, else None).
 
     Work goes by (query chunk, key chunk) pair: full attention when the key chunk comes first, causal on the
-    diagonal, nothing when it comes later. Causal, no computed row is ever fully masked; block-causal, a row whose
-    document starts after a key chunk is, and _block_attention keeps it finite.
+    diagonal, nothing when it comes later or lies wholly before the window of every query of the chunk. Causal, no
+    computed row is ever fully masked; block-causal or windowed, a row whose document starts after a key chunk, or
+    whose window ends before it, is, and _block_attention keeps it finite.
     """
     chunk_len = query.size(2) // 2
     query_chunks = query.split(chunk_len, dim=2)
@@ -225,12 +267,19 @@ def _ring_attention(query: Tensor, key: Tensor, value: Tensor, document_ids: Ten
         for key_id, kv_chunk in zip(key_ids, kv.split(chunk_len, dim=2)):
             key_chunk, value_chunk = kv_chunk.split([key_dim, kv_chunk.size(-1) - key_dim], dim=-1)
             for i, (query_id, query_chunk) in enumerate(zip(query_ids, query_chunks)):
-                if key_id <= query_id:
-                    visible = _block_mask(query_id, key_id, chunk_len, document_ids, query.device)
+                if key_id <= query_id and not _before_window(query_id, key_id, chunk_len, mask.window):
+                    visible = _block_mask(query_id, key_id, chunk_len, mask, query.device)
                     block = _block_attention(query_chunk, key_chunk, value_chunk, visible, scale)
                     merged[i] = _merge(merged.get(i), block)
     # Both chunks have entries: at hop 0 each query chunk meets its own chunk.
-    return torch.cat([merged[i][0] for i in range(2)], dim=2).to(query.dtype)
+    out = torch.cat([merged[i][0] for i in range(2)], dim=2).to(query.dtype)
+    return out, (torch.cat([merged[i][1] for i in range(2)], dim=2).squeeze(-1) if with_lse else None)
+
+
+def _before_window(query_id: int, key_id: int, chunk_len: int, window: int | None) -> bool:
+    """Whether every key of chunk `key_id` lies before the window of every query of chunk `query_id`: the first
+    query is `window` or more positions past the last key."""
+    return window is not None and query_id * chunk_len - (key_id * chunk_len + chunk_len - 1) >= window
 
 
 def _pass_to_next_rank(kv: Tensor, group_name: str, cp_rank: int, cp_degree: int) -> Tensor:
@@ -242,19 +291,13 @@ def _pass_to_next_rank(kv: Tensor, group_name: str, cp_rank: int, cp_degree: int
     return funcol.all_to_all_single_autograd(kv, receive_sizes, send_sizes, group=group_name)
 
 
-def _block_mask(query_id: int, key_id: int, chunk_len: int, document_ids: Tensor | None,
-                device: torch.device) -> Tensor | None:
-    """Which keys of chunk `key_id` each query of chunk `query_id` reads: causal on the diagonal, within documents
-    when `document_ids` (bs, seq) are given; (chunk, chunk) or (bs, 1, chunk, chunk), or None for all of them."""
-    visible = None
-    if key_id == query_id:
-        visible = torch.ones(chunk_len, chunk_len, dtype=torch.bool, device=device).tril()
-    if document_ids is not None:
-        query_documents = document_ids[:, query_id * chunk_len:(query_id + 1) * chunk_len]  # (bs, chunk)
-        key_documents = document_ids[:, key_id * chunk_len:(key_id + 1) * chunk_len]
-        same_document = (query_documents[:, :, None] == key_documents[:, None, :])[:, None]  # (bs, 1, chunk, chunk)
-        visible = same_document if visible is None else same_document & visible
-    return visible
+def _block_mask(query_id: int, key_id: int, chunk_len: int, mask: SequenceMask, device: torch.device) -> Tensor | None:
+    """Which keys of chunk `key_id` each query of chunk `query_id` reads (_visible of their positions): (chunk,
+    chunk) or (bs, 1, chunk, chunk), or None for all of them (an earlier chunk, no documents, no window)."""
+    if key_id < query_id and mask.document_ids is None and mask.window is None:
+        return None
+    positions = torch.arange(chunk_len, device=device)
+    return _visible(query_id * chunk_len + positions, key_id * chunk_len + positions, mask)
 
 
 def _block_attention(query: Tensor, key: Tensor, value: Tensor, visible: Tensor | None,

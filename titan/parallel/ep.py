@@ -12,23 +12,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from titan.metrics.log import logger
-from titan.models.common.moe import GroupedExperts, host_counts
+from titan.models.common.moe import GroupedExperts
 
 
 class ExpertParallelExperts(GroupedExperts):
-    """GroupedExperts whose weights are sharded over `ep_mesh` on the expert dimension (DTensors, Shard(0)): this
-    rank runs experts rank x local ... (rank + 1) x local - 1 on the tokens every EP rank routes to them."""
+    """GroupedExperts whose parameters (every one, by name: weights and biases) are sharded over `ep_mesh` on the
+    expert dimension (DTensors, Shard(0)): this rank runs experts rank x local ... (rank + 1) x local - 1 on the
+    tokens every EP rank routes to them."""
 
     def __init__(self, experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
         nn.Module.__init__(self)
-        self.num_experts = experts.num_experts
-        self.valueless = experts.valueless
-        self.swiglu = experts.swiglu  # a converter's low-precision matmuls stay (each rank runs its own experts')
+        self.num_experts, self.dim, self.hidden_dim = experts.num_experts, experts.dim, experts.hidden_dim
+        self.function = experts.function
+        self.matmuls = experts.matmuls  # a converter's low-precision matmuls stay (each rank runs its own experts')
+        self.token_counts = experts.token_counts
         self.ep_mesh = ep_mesh
-        for name in ("w1", "w2", "w3"):
-            weight = getattr(experts, name)
-            self.register_parameter(name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)]),
-                                                       requires_grad=weight.requires_grad))
+        for name, param in experts.named_parameters(recurse=False):
+            self.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)]),
+                                                       requires_grad=param.requires_grad))
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """x (tokens, dim) sorted by expert with counts (num_experts,) -> the experts' outputs in x's order."""
@@ -43,7 +44,7 @@ class ExpertParallelExperts(GroupedExperts):
         # tensors each receives as many as it sends.
         per_rank = torch.stack([counts.view(ep, local).sum(dim=1), received_counts.view(ep, local).sum(dim=1)])
         # (2, ep): tokens to, then from, each rank
-        send_splits, receive_splits = host_counts(per_rank, x.size(0), self.valueless)
+        send_splits, receive_splits = self.token_counts.read(per_rank, x.size(0))
         received = all_to_all_single_autograd(x, receive_splits, send_splits, group=group)
         # received is grouped by source rank, then expert; the grouped matmul wants it grouped by expert.
         order = expert_major_order(received_counts, ep, local, num_rows=received.size(0))
@@ -51,8 +52,10 @@ class ExpertParallelExperts(GroupedExperts):
         # 1/ep here and FSDP's mean over the expert-FSDP ranks make them the mean over all shares, as the dense
         # weights' gradients are (FSDP's gradient_divide_factor would do it in the reduction, but gloo has no
         # PREMUL_SUM).
-        weights = [scale_gradient(weight.to_local(), 1 / ep) for weight in (self.w1, self.w2, self.w3)]
-        outputs = self.swiglu(received[order], received_counts.view(ep, local).sum(dim=0), *weights)
+        params = {name: scale_gradient(param.to_local(), 1 / ep)
+                  for name, param in self.named_parameters(recurse=False)}
+        outputs = self.matmuls(received[order], received_counts.view(ep, local).sum(dim=0), params, self.function,
+                               self.token_counts)
         unsorted = torch.empty_like(outputs).index_copy_(0, order, outputs)  # back to (source rank, expert) order
         return all_to_all_single_autograd(unsorted, send_splits, receive_splits, group=group)
 

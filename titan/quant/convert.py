@@ -12,12 +12,12 @@ from torch import nn
 from titan.config.errors import ConfigError
 from titan.config.job import MX, NVFP4, Float8
 from titan.metrics.log import logger
-from titan.models.common.moe import ExpertSwiGLU, GroupedExperts, HighPrecisionSwiGLU, MoE, moe_layers
+from titan.models.common.moe import ExpertMatmuls, GroupedExperts, HighPrecisionMatmuls, MoE, moe_layers
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
-from titan.quant.float8.grouped import FLOAT8_GROUP_ALIGNMENT, Float8ExpertSwiGLU
+from titan.quant.float8.grouped import FLOAT8_GROUP_ALIGNMENT, Float8ExpertMatmuls
 from titan.quant.float8.linear import Float8Linear
 from titan.quant.formats import MX_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
-from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertSwiGLU
+from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertMatmuls
 from titan.quant.mx.linear import MXLinear
 from titan.quant.nvfp4.linear import NVFP4Linear
 
@@ -122,38 +122,42 @@ def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[
 def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], flag: str,
                        alignment: int) -> str | None:
     """Why `experts` must stay in high precision, or None if they convert: they are not named by `flag`
-    (`moe_fqns`), or their dim and hidden size are not multiples of the recipe's `alignment` (both are contracted,
-    dim by w1 and w3, hidden by w2)."""
+    (`moe_fqns`), or a weight's two sizes (each is contracted, one in the forward and one in the input's gradient)
+    are not multiples of the recipe's `alignment`. The weights are read by name (GroupedExperts.weight_names)."""
     if not any(pattern in fqn for pattern in moe_fqns):
         return f"skipped: not matched by {flag}" + (f" {' '.join(moe_fqns)}" if moe_fqns else " (empty)")
-    _, hidden, dim = experts.w1.shape
-    return indivisible_reason(hidden, dim, alignment, f"{alignment} (the grouped kernels need it)")
+    for name in experts.weight_names:
+        _, out_features, in_features = getattr(experts, name).shape
+        reason = indivisible_reason(out_features, in_features, alignment, f"{alignment} (the grouped kernels need it)")
+        if reason is not None:
+            return reason
+    return None
 
 
-def convert_experts(model: nn.Module, moe_fqns: list[str], flag: str, alignment: int,
-                    swiglu: Callable[[bool], ExpertSwiGLU], result: str) -> list[LayerDecision]:
+def convert_experts(model: nn.Module, moe_fqns: list[str], flag: str, alignment: int, matmuls: ExpertMatmuls,
+                    result: str) -> list[LayerDecision]:
     """Give the experts of every MoE layer that expert_skip_reason keeps (for `flag`'s `moe_fqns` and the recipe's
-    `alignment`) the grouped matmuls swiglu(the experts' valueless flag); experts an earlier converter took are left
-    alone."""
+    `alignment`) the grouped `matmuls`; experts an earlier converter took are left alone."""
     decisions = []
     for fqn, moe in high_precision_experts(model).items():
         reason = expert_skip_reason(f"{fqn}.experts", moe.experts, moe_fqns, flag, alignment)
         if reason is None:
-            moe.experts.swiglu = swiglu(moe.experts.valueless)
+            moe.experts.matmuls = matmuls
         decisions.append(expert_decision(fqn, moe, reason or result, converted=reason is None))
     return decisions
 
 
 def high_precision_experts(model: nn.Module) -> dict[str, MoE]:
     """The MoE layers of `model` whose experts no converter has taken yet, by FQN."""
-    return {fqn: moe for fqn, moe in moe_layers(model).items() if isinstance(moe.experts.swiglu, HighPrecisionSwiGLU)}
+    return {fqn: moe for fqn, moe in moe_layers(model).items() if isinstance(moe.experts.matmuls, HighPrecisionMatmuls)}
 
 
 def expert_decision(fqn: str, moe: MoE, result: str, converted: bool) -> LayerDecision:
     """The report's row for the experts of the MoE layer `moe` at `fqn`."""
-    num_experts, hidden, dim = moe.experts.w1.shape
-    return LayerDecision(f"{fqn}.experts", hidden, dim, result, converted, num_experts=num_experts,
-                         flops_per_token=moe.top_k * 3 * hidden * dim)
+    experts = moe.experts
+    flops = sum(getattr(experts, name)[0].numel() for name in experts.weight_names)  # multiply-adds of one expert
+    return LayerDecision(f"{fqn}.experts", experts.hidden_dim, experts.dim, result, converted,
+                         num_experts=experts.num_experts, flops_per_token=moe.top_k * flops)
 
 
 def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str | None],
@@ -183,7 +187,7 @@ def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
                                                                    emulate=cfg.emulate),
                            f"float8 {cfg.recipe_name}{emulated}")
     experts = convert_experts(model, cfg.moe_fqns_prototype, "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT,
-                              lambda valueless: Float8ExpertSwiGLU(cfg.recipe_name, cfg.emulate, valueless),
+                              Float8ExpertMatmuls(cfg.recipe_name, cfg.emulate),
                               f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}"
                               f"{emulated}")
     return linears + experts
@@ -198,7 +202,7 @@ def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
                                                                emulate=cfg.emulate),
                            f"mx {cfg.recipe_name}{emulated}")
     experts = convert_experts(model, cfg.moe_fqns_prototype, "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT,
-                              lambda valueless: MXExpertSwiGLU(cfg.emulate),
+                              MXExpertMatmuls(cfg.emulate),
                               f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
     return linears + experts
 

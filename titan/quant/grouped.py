@@ -11,14 +11,13 @@ by reading the counts on the host, so a step never waits for the device here.
 """
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from titan.models.common.moe import grouped_mm_supported, host_counts, matmul_dtype
-from titan.models.common.swiglu import silu_gate
+from titan.models.common.moe import ExpertFunction, TokenCounts, grouped_mm_supported, matmul_dtype
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,14 @@ class PaddedGroups:
         """(num_rows, dim) -> (tokens, dim): the token rows, in their original order."""
         return x.index_select(0, self.rows)
 
+    def bias_rows(self, bias: Tensor) -> Tensor:
+        """bias (experts, out) -> (num_rows, out): each token row's expert's bias, zero on the padding rows, which
+        must stay zero rows."""
+        num_experts = bias.size(0)
+        token_row = torch.zeros(self.num_rows, dtype=torch.bool, device=bias.device).index_fill_(0, self.rows, True)
+        rows = bias[self.expert_of_row.clamp(max=num_experts - 1)]  # (num_rows, out)
+        return rows.masked_fill(~token_row[:, None], 0)
+
 
 def pad_groups(counts: Tensor, num_tokens: int, alignment: int) -> PaddedGroups:
     """The padded layout of `num_tokens` rows sorted by expert, counts (experts,) of them per expert, with every
@@ -63,35 +70,38 @@ def pad_groups(counts: Tensor, num_tokens: int, alignment: int) -> PaddedGroups:
     return PaddedGroups(rows, offsets, expert_of_row, num_rows)
 
 
-GroupedMatmul = Callable[[Tensor, Tensor, PaddedGroups], Tensor]
+GroupedMatmul = Callable[[Tensor, Tensor, PaddedGroups, TokenCounts], Tensor]
 """A recipe's differentiable grouped matmul: x (rows, in) in the padded layout @ each expert's weight (experts, out,
-in) transposed -> (rows, out)."""
+in) transposed -> (rows, out), with how the emulated per-expert matmuls learn the blocks' sizes."""
 
 
-def padded_swiglu(x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor, grouped_mm: GroupedMatmul,
-                  alignment: int) -> Tensor:
-    """The experts' SwiGLU (titan/models/common/moe.py grouped_swiglu) with `grouped_mm` for its three matmuls, on
-    token blocks padded to `alignment` rows; in autocast's dtype where it is on, as the high-precision experts."""
+def padded_experts(x: Tensor, counts: Tensor, params: Mapping[str, Tensor], function: ExpertFunction,
+                   token_counts: TokenCounts, grouped_mm: GroupedMatmul, alignment: int) -> Tensor:
+    """The experts' `function` (titan/models/common/moe.py ExpertMatmuls) with `grouped_mm` for its matmuls, on token
+    blocks padded to `alignment` rows, biases added to the token rows alone; in autocast's dtype where it is on, as
+    the high-precision experts."""
     dtype = matmul_dtype(x)
-    x, w1, w2, w3 = (tensor.to(dtype) for tensor in (x, w1, w2, w3))
     groups = pad_groups(counts, x.size(0), alignment)
-    padded = groups.pad(x)  # (rows, dim)
-    hidden = silu_gate(grouped_mm(padded, w1, groups), grouped_mm(padded, w3, groups))  # (rows, hidden)
-    return groups.unpad(grouped_mm(hidden, w2, groups))
+
+    def linear(h: Tensor, name: str) -> Tensor:
+        out = grouped_mm(h, params[name].to(dtype), groups, token_counts)
+        bias = params.get(f"{name}_bias")
+        return out if bias is None else out + groups.bias_rows(bias.to(out.dtype))
+    return groups.unpad(function(groups.pad(x.to(dtype)), linear))
 
 
-def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, valueless: bool) -> Tensor:
+def high_precision_grouped_mm(a: Tensor, b: Tensor, offsets: Tensor, token_counts: TokenCounts) -> Tensor:
     """torch._grouped_mm's two layouts in a's dtype, where the op runs for it, else one matmul per group:
     a (rows, K) @ b (experts, K, N) -> (rows, N), block e of a's rows by b[e]; or a (M, rows) @ b (rows, N) ->
     (experts, M, N), block e of the contracted rows (a weight gradient). Rows after the last block are left zero
-    (2-D x 3-D) or ignored (2-D x 2-D). `valueless`: MoEArgs.valueless (the blocks' ends, which the per-group matmuls
-    read on the host, are then an even split of the rows)."""
-    if grouped_mm_supported(a, valueless):
+    (2-D x 3-D) or ignored (2-D x 2-D). `token_counts`: how the per-group matmuls learn the blocks' ends on the host
+    (an even split of the rows for the dry run's)."""
+    if grouped_mm_supported(a, token_counts):
         return torch._grouped_mm(a, b, offs=offsets)
     # Emulation where the op does not run (fp32 under compile, GPUs before Hopper) reads the blocks' ends.
-    if valueless:
+    if token_counts.even:
         rows = a.size(0) if b.dim() == 3 else a.size(1)
-        ends = list(itertools.accumulate(host_counts(offsets, rows, valueless)))
+        ends = list(itertools.accumulate(token_counts.read(offsets, rows)))
     else:
         ends = offsets.tolist()
     starts = [0] + ends[:-1]

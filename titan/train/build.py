@@ -22,6 +22,7 @@ from titan.config.job import JobConfig, Model, Training
 from titan.metrics.log import logger
 from titan.models.common.family import BuildOptions, ModelFamily
 from titan.models.common.flops import num_params
+from titan.models.common.moe import TokenCounts, set_token_counts
 from titan.models.families import FAMILIES
 from titan.parallel.ac import keeps_attention
 from titan.parallel.degrees import accumulation_steps
@@ -60,8 +61,8 @@ class BuildMode:
     init_weights: bool = True
     """Fill the weights; off: give them storage only (trunc_normal_ reads data, which fake tensors have none of)."""
     valueless: bool = False
-    """Tensors carry no values: mixtures of experts spread their tokens evenly where the host reads counts
-    (MoEArgs.valueless), and the bfloat16-state optimizer's update runs eagerly."""
+    """Tensors carry no values: mixtures of experts take their token counts as an even spread where the host reads
+    them (TokenCounts.even, injected into the experts), and the bfloat16-state optimizer's update runs eagerly."""
 
 
 def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device, vocab_size: int,
@@ -74,8 +75,7 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
     attn_backend, block_causal = attention_kernel(cfg.model, dims, mode)
     accumulation_steps = count_accumulation_steps(cfg.training, dims.dp_degree)
     family = FAMILIES[cfg.model.name]
-    args = family.build_args(cfg.model.flavor, build_options(cfg, vocab_size, attn_backend, accumulation_steps,
-                                                             mode.valueless))
+    args = family.build_args(cfg.model.flavor, build_options(cfg, vocab_size, attn_backend, accumulation_steps))
     loss_parallel = dims.tp_enabled and not cfg.parallelism.disable_loss_parallel
     keep_attention = keeps_attention(cfg.activation_checkpoint.save_attention, cfg.compile.enable,
                                      on_gpu=device.type == "cuda")
@@ -83,6 +83,9 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
                                     par=cfg.parallelism, ac=cfg.activation_checkpoint, train=cfg.training,
                                     compile_cfg=compile_cfg, keep_attention=keep_attention, block_causal=block_causal)
     model_parts = build_model(cfg, dims, meshes, family, args, device, parallelize)
+    if mode.valueless:
+        for part in model_parts.parts:
+            set_token_counts(part, TokenCounts(even=True))
     with mode.fake_mode or contextlib.nullcontext():
         if mode.init_weights:
             init_weights(model_parts.parts, family, args, model_parts.num_params, device, cfg.training.seed,
@@ -115,15 +118,13 @@ def attention_kernel(model_cfg: Model, dims: ParallelDims, mode: BuildMode) -> t
     return attn_backend, block_causal
 
 
-def build_options(cfg: JobConfig, vocab_size: int, attn_backend: str, accumulation_steps: int,
-                  valueless: bool) -> BuildOptions:
+def build_options(cfg: JobConfig, vocab_size: int, attn_backend: str, accumulation_steps: int) -> BuildOptions:
     """What the job sets on top of the flavor's shape (BuildOptions)."""
     return BuildOptions(
         vocab_size=vocab_size, vocab_size_multiple_of=cfg.model.vocab_size_multiple_of,
         max_seq_len=cfg.training.seq_len, attn_backend=attn_backend, loss_chunk_size=cfg.training.loss_chunk_size,
         moe_aux_loss_weight=cfg.moe.aux_loss_weight / forward_passes_per_step(cfg, accumulation_steps),
-        moe_load_balance_coeff=cfg.moe.load_balance_coeff, mtp_loss_weight=cfg.training.mtp_loss_weight,
-        valueless=valueless)
+        moe_load_balance_coeff=cfg.moe.load_balance_coeff, mtp_loss_weight=cfg.training.mtp_loss_weight)
 
 
 def forward_passes_per_step(cfg: JobConfig, accumulation_steps: int) -> int:

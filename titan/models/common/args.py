@@ -38,11 +38,38 @@ class YarnScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    truncate: bool = True
+    """Round the ramp's ends out to whole channel pairs (DeepSeek's YaRN); False keeps them fractional (GPT-OSS,
+    HF's `truncate: false`)."""
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
     """YaRN's attention temperature term 0.1 mscale ln(factor) + 1 (1 without scaling)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table: its base and long-context scaling. Blocks whose specs are equal share one table."""
+
+    theta: float
+    scaling: RopeScaling | YarnScaling | None = None
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """How one block attends, as data the decoder reads (titan/models/common/decoder.py): one mask per distinct
+    window and one rotary table per distinct RopeSpec, each handed to the blocks that use it."""
+
+    rope: RopeSpec
+    window: int | None = None
+    """Sliding window: a query reads the keys less than `window` positions back (transformers keeps kv > q - window),
+    itself included. None: every earlier key."""
+    sinks: bool = False
+    """A learned logit per query head that joins every softmax's denominator and writes no value (GPT-OSS's attention
+    sinks), so a head may attend to nothing."""
+    bias: bool = False
+    """Biases on the query, key, value and output projections."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +107,16 @@ class DecoderArgs:
     mtp_loss_weight: float = 0.0
     """lambda: the modules' mean loss over the depths enters the gradient times this (the reported loss stays the
     next-token loss)."""
+
+    def layer_attention(self, layer_id: int) -> AttentionSpec:
+        """How block `layer_id` attends (layer ids n_layers and up: the multi-token prediction blocks). Here every
+        block alike, full causal attention under rope_theta and rope_scaling; a family with per-layer attention
+        (GPT-OSS's alternating windows) overrides this."""
+        return AttentionSpec(rope=RopeSpec(self.rope_theta, self.rope_scaling))
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """layer_attention of every block, the multi-token prediction blocks' after the trunk's."""
+        return [self.layer_attention(layer_id) for layer_id in range(self.n_layers + self.mtp_depth)]
 
 
 def padded_vocab_size(vocab_size: int, multiple_of: int) -> int:

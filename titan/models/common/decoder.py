@@ -51,7 +51,7 @@ class Decoder(nn.Module):
         self.norm = norm
         self.output = output
         self.mtp = mtp
-        self.attention_mask = AttentionMask(args.attn_backend)
+        self.attention_mask = AttentionMask(args.attn_backend, [spec.window for spec in args.attention_specs()])
         self.output_loss = OutputLoss(args.vocab_size, args.loss_chunk_size)
 
     def part(self, layers: dict[str, nn.Module], tok_embeddings: nn.Module | None, norm: nn.Module | None,
@@ -71,22 +71,25 @@ class Decoder(nn.Module):
         """tokens (bs, seq) -> logits (bs, seq, padded_vocab); with labels (bs, seq), the summed loss of the valid
         targets instead (output_loss), without the whole logits. positions (bs, seq): each token's rotary position
         (None: 0 .. seq - 1). document_ids (bs, seq): attention stays within a document (block-causal); None:
-        causal over the sequence. attention.document_layout makes both from where documents end. A part without the
-        embedding (a later pipeline stage) takes hidden states (bs, seq, dim) and their positions instead of tokens;
-        one without the output returns its hidden states."""
+        causal over the sequence. attention.document_layout makes both from where documents end. Each block reads the
+        rotary rows and the mask of its own AttentionSpec (args.layer_attention). A part without the embedding (a
+        later pipeline stage) takes hidden states (bs, seq, dim) and their positions instead of tokens; one without
+        the output returns its hidden states."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (bs, seq, dim)
-        rope = self.rope(sequence_positions(tokens) if positions is None else positions)
-        mask = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape under TP
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
+        ropes = self.rope(sequence_positions(tokens) if positions is None else positions)
+        masks = self.attention_mask(h, document_ids)  # h: (bs, seq, dim), a DTensor's global shape under TP
+        for layer_id, layer in self.layers.items():
+            spec = self.args.layer_attention(int(layer_id))
+            h = layer(h, ropes[spec.rope], masks[spec.window])
         if self.output is None:
             return h
         if labels is None:
             return self.output(self.norm(h))
         loss = self.output_loss(self.norm(h), labels, self.output)
         if self.mtp is not None and torch.is_grad_enabled():  # the modules train the trunk; evaluation skips them
-            loss = loss + self.mtp(h, tokens, labels, document_ids, rope, mask, self.tok_embeddings, self.output,
-                                   self.output_loss)
+            spec = self.args.layer_attention(self.args.n_layers)  # the first module's, which every module shares
+            loss = loss + self.mtp(h, tokens, labels, document_ids, ropes[spec.rope], masks[spec.window],
+                                   self.tok_embeddings, self.output, self.output_loss)
         return loss
 
     def user_logits(self, tokens: Tensor) -> Tensor:

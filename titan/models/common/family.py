@@ -31,9 +31,6 @@ class BuildOptions:
     moe_load_balance_coeff: float = 0.0
     mtp_loss_weight: float = 0.0
     """Weight of the multi-token prediction loss, for flavors with MTP modules (DecoderArgs.mtp_loss_weight)."""
-    valueless: bool = False
-    """The tensors will carry no values (the dry run's fake tensors): mixtures of experts route as MoEArgs.valueless
-    says."""
 
 
 ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
@@ -42,7 +39,7 @@ ArgsT = TypeVar("ArgsT", bound=DecoderArgs)
 def args_with_options(args: ArgsT, options: BuildOptions) -> ArgsT:
     """A flavor's `args` with what the job sets: the vocabulary, the rotary table's length, the attention kernel and
     the loss's chunking in every family; on a mixture of experts (args.moe, in the families and flavors that have
-    one) the balancing options and `valueless`; the multi-token prediction loss's weight where the flavor has MTP
+    one) the balancing options; the multi-token prediction loss's weight where the flavor has MTP
     modules (elsewhere the flavor's, 0)."""
     fields: dict[str, Any] = {
         "vocab_size": options.vocab_size, "vocab_size_multiple_of": options.vocab_size_multiple_of,
@@ -51,7 +48,7 @@ def args_with_options(args: ArgsT, options: BuildOptions) -> ArgsT:
     moe = getattr(args, "moe", None)
     if moe is not None:
         fields["moe"] = replace(moe, aux_loss_weight=options.moe_aux_loss_weight,
-                                load_balance_coeff=options.moe_load_balance_coeff, valueless=options.valueless)
+                                load_balance_coeff=options.moe_load_balance_coeff)
     if args.mtp_depth > 0:
         fields["mtp_loss_weight"] = options.mtp_loss_weight
     return replace(args, **fields)

@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from titan.models.common.args import DecoderArgs
 from titan.models.common.decoder import tie_output
 from titan.models.common.mtp import MultiTokenPrediction
-from titan.models.common.rotary import precompute_rope_cache
 
 # nn.init.trunc_normal_'s default cutoffs are +-2 in absolute value (100 std at 0.02): in practice a plain
 # normal. Kept as torchtitan has it; only the output layer is truncated at 3 std.
@@ -30,10 +29,10 @@ def residual_output_std(args: DecoderArgs, layer_id: int) -> float:
 
 
 def rebuild_rotary_table(model: nn.Module, buffer_device: torch.device | str | None) -> None:
-    """The rotary table of model.args, computed again on buffer_device (None: where it is now): to_empty() left it
-    uninitialised, and a checkpoint does not carry it."""
+    """The rotary tables of model.args, computed again on buffer_device (None: where they are now): to_empty() left
+    them uninitialised, and a checkpoint does not carry them."""
     with torch.device(buffer_device or model.rope.cache.device):
-        model.rope.cache = precompute_rope_cache(model.args)
+        model.rope.rebuild()
 
 
 def init_output(weight: Tensor, dim: int) -> None:

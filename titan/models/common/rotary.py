@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from titan.models.common.args import DecoderArgs, RopeScaling, YarnScaling, yarn_mscale
+from titan.models.common.args import DecoderArgs, RopeScaling, RopeSpec, YarnScaling, yarn_mscale
 
 
 def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
@@ -22,35 +22,39 @@ def scale_rope_frequencies(freqs: Tensor, scaling: RopeScaling) -> Tensor:
 
 
 def yarn_frequencies(freqs: Tensor, scaling: YarnScaling, rotary_dim: int, theta: float) -> Tensor:
-    """YaRN's frequencies (transformers' _compute_yarn_parameters, truncated correction range): pairs past the
-    beta_fast boundary keep their frequency, those before beta_slow's are divided by `factor`, linearly between."""
+    """YaRN's frequencies (transformers' _compute_yarn_parameters): pairs past the beta_fast boundary keep their
+    frequency, those before beta_slow's are divided by `factor`, linearly between; the boundaries rounded out to whole
+    pairs where scaling.truncate."""
     def correction_dim(num_rotations: float) -> float:
         """The channel pair whose wavelength fits num_rotations times into the original context."""
         context = scaling.original_max_position_embeddings
         return rotary_dim * math.log(context / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), rotary_dim - 1)
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     ramp = (torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / max(high - low, 0.001)
     keep = 1 - ramp.clamp(0, 1)  # 1: the pair keeps its frequency (extrapolates), 0: it is interpolated
     return freqs / scaling.factor * (1 - keep) + freqs * keep
 
 
-def precompute_rope_cache(args: DecoderArgs) -> Tensor:
-    """cos and sin of position * freq for every position up to max_seq_len and every rotated channel pair of a head:
-    fp32 (max_seq_len, head_dim // 2, 2), cosines at [..., 0] and sines at [..., 1], on the current default device.
-    head_dim is the rotated part of a head (all of it but in multi-head latent attention). Real tables rather than
-    Meta's complex e^(i * position * freq), which inductor generates no code for: eager forwards read the same
-    table as complex numbers (apply_rotary_emb). YaRN scales both by its
-    attention factor, so that the rotated channels carry it into q.k."""
+def precompute_rope_cache(args: DecoderArgs, rope: RopeSpec | None = None) -> Tensor:
+    """cos and sin of position * freq of the table `rope` (None: args' rope_theta and rope_scaling) for every position
+    up to max_seq_len and every rotated channel pair of a head: fp32 (max_seq_len, head_dim // 2, 2), cosines at
+    [..., 0] and sines at [..., 1], on the current default device. head_dim is the rotated part of a head (all of it
+    but in multi-head latent attention). Real tables rather than Meta's complex e^(i * position * freq), which
+    inductor generates no code for: eager forwards read the same table as complex numbers (apply_rotary_emb). YaRN
+    scales both by its attention factor, so that the rotated channels carry it into q.k."""
+    rope = rope or RopeSpec(args.rope_theta, args.rope_scaling)
     head_dim = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     scale = 1.0
-    if isinstance(args.rope_scaling, RopeScaling):
-        freqs = scale_rope_frequencies(freqs, args.rope_scaling)
-    elif isinstance(args.rope_scaling, YarnScaling):
-        yarn = args.rope_scaling
-        freqs = yarn_frequencies(freqs, yarn, head_dim, args.rope_theta)
+    if isinstance(rope.scaling, RopeScaling):
+        freqs = scale_rope_frequencies(freqs, rope.scaling)
+    elif isinstance(rope.scaling, YarnScaling):
+        yarn = rope.scaling
+        freqs = yarn_frequencies(freqs, yarn, head_dim, rope.theta)
         scale = yarn_mscale(yarn.factor, yarn.mscale) / yarn_mscale(yarn.factor, yarn.mscale_all_dim)
     positions = torch.arange(args.max_seq_len, dtype=torch.float32)
     angles = torch.outer(positions, freqs)  # (max_seq_len, head_dim // 2)
@@ -58,20 +62,32 @@ def precompute_rope_cache(args: DecoderArgs) -> Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """The rotary table of precompute_rope_cache, read by token position: the model's input positions (restarting at
-    each document under block-causal attention, this rank's rows under context parallel), or 0 .. seq - 1. A
-    module, so that its table moves and materialises with the model (init_weights rebuilds it)."""
+    """The rotary tables of precompute_rope_cache, one per distinct RopeSpec of the blocks (args.attention_specs()),
+    read by token position: the model's input positions (restarting at each document under block-causal attention,
+    this rank's rows under context parallel), or 0 .. seq - 1. A module, so that its tables move and materialise
+    with the model (init_weights rebuilds them)."""
 
     def __init__(self, args: DecoderArgs) -> None:
         super().__init__()
         self.args = args
-        # Not persistent: it is a function of args, so checkpoints needn't carry it; init_weights rebuilds it.
-        self.register_buffer("cache", precompute_rope_cache(args), persistent=False)
+        self.specs = list(dict.fromkeys(spec.rope for spec in args.attention_specs()))
+        # Not persistent: they are a function of args, so checkpoints needn't carry them; init_weights rebuilds them.
+        for name, rope in zip(self.table_names(), self.specs):
+            self.register_buffer(name, precompute_rope_cache(args, rope), persistent=False)
 
-    def forward(self, positions: Tensor) -> Tensor:
-        """positions (seq,) or (bs, seq) -> their rows of the table, (seq, head_dim // 2, 2) or
-        (bs, seq, head_dim // 2, 2)."""
-        return self.cache[positions]
+    def table_names(self) -> list[str]:
+        """The buffers' names, `cache` for the first table (every block's, in a family with one), then cache_1, ..."""
+        return ["cache"] + [f"cache_{i}" for i in range(1, len(self.specs))]
+
+    def rebuild(self) -> None:
+        """Compute every table again, on the current default device."""
+        for name, rope in zip(self.table_names(), self.specs):
+            setattr(self, name, precompute_rope_cache(self.args, rope))
+
+    def forward(self, positions: Tensor) -> dict[RopeSpec, Tensor]:
+        """positions (seq,) or (bs, seq) -> each table's rows of them, (seq, head_dim // 2, 2) or
+        (bs, seq, head_dim // 2, 2), by the RopeSpec it was built for."""
+        return {rope: getattr(self, name)[positions] for name, rope in zip(self.table_names(), self.specs)}
 
 
 def apply_rotary_emb(x: Tensor, rope_cache: Tensor) -> Tensor:

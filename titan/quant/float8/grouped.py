@@ -15,14 +15,16 @@ Native: torch._scaled_grouped_mm (CUDA, Hopper and newer), which writes bf16. Em
 dequantized and multiplied in fp32.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from titan.models.common.moe import ExpertFunction, TokenCounts
 from titan.quant.float8.casts import amax_to_scale, cast_to_float8, dequantize, rowwise_cast, tensorwise_cast
 from titan.quant.float8.linear import RECIPES, TENSORWISE_E4M3, OperandCast, Recipe
-from titan.quant.grouped import PaddedGroups, high_precision_grouped_mm, padded_swiglu
+from titan.quant.grouped import PaddedGroups, high_precision_grouped_mm, padded_experts
 
 FLOAT8_GROUP_ALIGNMENT = 16
 """Rows per token-block step: torch._scaled_grouped_mm's float8 kernels need each expert's block of rows (the
@@ -99,24 +101,26 @@ def native_grouped_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, of
                                     out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
-def forward_mm(x: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool, valueless: bool) -> Tensor:
+def forward_mm(x: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool,
+               token_counts: TokenCounts) -> Tensor:
     """x (rows, K) @ weight (E, N, K)^T per expert block -> (rows, N), as float32 (emulated) or bf16 (native)."""
     (x_data, x_scale), (w_data, w_scale) = cast_tokens(x, recipe.output[0]), cast_weights(weight, recipe.output[1], -1)
     if emulate:
         return high_precision_grouped_mm(dequantize(x_data, x_scale), dequantize(w_data, w_scale).transpose(-2, -1),
-                                         offsets, valueless)
+                                         offsets, token_counts)
     num_experts, n, _ = weight.shape
     return native_grouped_mm(x_data, row_scales(x_scale, x.size(0)), w_data.transpose(-2, -1),
                              expert_scales(w_scale, num_experts, n), offsets)
 
 
 def grad_input_mm(grad: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe, emulate: bool,
-                  valueless: bool) -> Tensor:
+                  token_counts: TokenCounts) -> Tensor:
     """grad (rows, N) @ weight (E, N, K) per expert block -> (rows, K)."""
     (g_data, g_scale) = cast_tokens(grad, recipe.grad_input[0])
     (w_data, w_scale) = cast_weights(weight, recipe.grad_input[1], -2)
     if emulate:
-        return high_precision_grouped_mm(dequantize(g_data, g_scale), dequantize(w_data, w_scale), offsets, valueless)
+        return high_precision_grouped_mm(dequantize(g_data, g_scale), dequantize(w_data, w_scale), offsets,
+                                         token_counts)
     num_experts, _, k = weight.shape
     w_column_major = w_data.transpose(-2, -1).contiguous().transpose(-2, -1)  # (E, N, K), strides (N K, 1, N)
     return native_grouped_mm(g_data, row_scales(g_scale, grad.size(0)), w_column_major,
@@ -124,17 +128,17 @@ def grad_input_mm(grad: Tensor, weight: Tensor, offsets: Tensor, recipe: Recipe,
 
 
 def grad_weight_mm(grad: Tensor, x: Tensor, groups: tuple[Tensor, Tensor], num_experts: int, recipe: Recipe,
-                   emulate: bool, valueless: bool) -> Tensor:
+                   emulate: bool, token_counts: TokenCounts) -> Tensor:
     """grad^T (N, rows) @ x (rows, K) over each expert's block of rows -> (E, N, K)."""
     offsets, expert_of_row = groups
     if recipe.grad_weight is None:
-        return high_precision_grouped_mm(grad.t(), x, offsets, valueless)
+        return high_precision_grouped_mm(grad.t(), x, offsets, token_counts)
     g_data, g_scale = cast_expert_columns(grad, recipe.grad_weight[0], expert_of_row, num_experts)
     x_data, x_scale = cast_expert_columns(x, recipe.grad_weight[1], expert_of_row, num_experts)
     if emulate:
         return high_precision_grouped_mm(dequantize(g_data, scale_of_rows(g_scale, expert_of_row)).t(),
                                          dequantize(x_data, scale_of_rows(x_scale, expert_of_row)), offsets,
-                                         valueless)
+                                         token_counts)
     n, k = grad.size(1), x.size(1)
     # The kernel takes one scale per column of each expert's rows, expert-major: (experts * N,) and (experts * K,).
     return torch._scaled_grouped_mm(g_data.t().contiguous(), x_data.t().contiguous().t(),
@@ -150,34 +154,33 @@ class Float8GroupedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, offsets: Tensor, expert_of_row: Tensor, recipe: Recipe,
-                emulate: bool, valueless: bool) -> Tensor:
+                emulate: bool, token_counts: TokenCounts) -> Tensor:
         ctx.save_for_backward(x, weight, offsets, expert_of_row)
-        ctx.recipe, ctx.emulate, ctx.valueless = recipe, emulate, valueless
+        ctx.recipe, ctx.emulate, ctx.token_counts = recipe, emulate, token_counts
         in_block = (expert_of_row < weight.size(0))[:, None]
-        return forward_mm(x, weight, offsets, recipe, emulate, valueless).to(x.dtype).masked_fill(~in_block, 0)
+        return forward_mm(x, weight, offsets, recipe, emulate, token_counts).to(x.dtype).masked_fill(~in_block, 0)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None, None, None, None]:
         x, weight, offsets, expert_of_row = ctx.saved_tensors
         in_block = (expert_of_row < weight.size(0))[:, None]
-        grad_input = grad_input_mm(grad, weight, offsets, ctx.recipe, ctx.emulate, ctx.valueless).to(grad.dtype)
+        grad_input = grad_input_mm(grad, weight, offsets, ctx.recipe, ctx.emulate, ctx.token_counts).to(grad.dtype)
         grad_weight = grad_weight_mm(grad, x, (offsets, expert_of_row), weight.size(0), ctx.recipe, ctx.emulate,
-                                     ctx.valueless)
+                                     ctx.token_counts)
         return grad_input.masked_fill(~in_block, 0), grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
-class Float8ExpertSwiGLU:
-    """The experts' SwiGLU with float8 grouped matmuls (titan/models/common/moe.py ExpertSwiGLU)."""
+class Float8ExpertMatmuls:
+    """The experts' matmuls in float8 grouped matmuls (titan/models/common/moe.py ExpertMatmuls)."""
 
     recipe_name: str
     emulate: bool
-    valueless: bool = False
-    """MoEArgs.valueless: the dry run's fake tensors, whose emulated per-expert matmuls split the rows evenly."""
 
-    def grouped_mm(self, x: Tensor, weight: Tensor, groups: PaddedGroups) -> Tensor:
+    def __call__(self, x: Tensor, counts: Tensor, params: Mapping[str, Tensor], function: ExpertFunction,
+                 token_counts: TokenCounts) -> Tensor:
+        return padded_experts(x, counts, params, function, token_counts, self.grouped_mm, FLOAT8_GROUP_ALIGNMENT)
+
+    def grouped_mm(self, x: Tensor, weight: Tensor, groups: PaddedGroups, token_counts: TokenCounts) -> Tensor:
         return Float8GroupedMatmul.apply(x, weight, groups.offsets, groups.expert_of_row,
-                                         EXPERT_RECIPES[self.recipe_name], self.emulate, self.valueless)
-
-    def __call__(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
-        return padded_swiglu(x, counts, w1, w2, w3, self.grouped_mm, FLOAT8_GROUP_ALIGNMENT)
+                                         EXPERT_RECIPES[self.recipe_name], self.emulate, token_counts)

@@ -13,13 +13,15 @@ MXFP8 values dequantized to bf16 (exact: a 4-bit significand times a power of tw
 torch._grouped_mm in bf16, as torchao's emulated mode does, so both write bf16 products.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from titan.models.common.moe import ExpertFunction, TokenCounts
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
-from titan.quant.grouped import PaddedGroups, padded_swiglu
+from titan.quant.grouped import PaddedGroups, padded_experts
 from titan.quant.mx.blocked import to_blocked_k_groups, to_blocked_m_groups, to_blocked_per_expert
 from titan.quant.mx.numerics import dequantize, quantize_codes
 
@@ -122,14 +124,15 @@ class MXGroupedMatmul(torch.autograd.Function):
 
 
 @dataclass(frozen=True)
-class MXExpertSwiGLU:
-    """The experts' SwiGLU with MXFP8 grouped matmuls (titan/models/common/moe.py ExpertSwiGLU)."""
+class MXExpertMatmuls:
+    """The experts' matmuls in MXFP8 grouped matmuls (titan/models/common/moe.py ExpertMatmuls)."""
 
     emulate: bool
 
-    def grouped_mm(self, x: Tensor, weight: Tensor, groups: PaddedGroups) -> Tensor:
+    def __call__(self, x: Tensor, counts: Tensor, params: Mapping[str, Tensor], function: ExpertFunction,
+                 token_counts: TokenCounts) -> Tensor:
+        return padded_experts(x, counts, params, function, token_counts, self.grouped_mm, MX_GROUP_ALIGNMENT)
+
+    def grouped_mm(self, x: Tensor, weight: Tensor, groups: PaddedGroups, token_counts: TokenCounts) -> Tensor:
         in_block = (groups.expert_of_row < weight.size(0))[:, None]  # (rows, 1)
         return MXGroupedMatmul.apply(x, weight, groups.offsets, in_block, self.emulate).to(x.dtype)
-
-    def __call__(self, x: Tensor, counts: Tensor, w1: Tensor, w2: Tensor, w3: Tensor) -> Tensor:
-        return padded_swiglu(x, counts, w1, w2, w3, self.grouped_mm, MX_GROUP_ALIGNMENT)
