@@ -19,13 +19,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from titan.checkpoint.dcp import read_model_weights
-from titan.checkpoint.hf import HF_CONFIG_FILE, check_hf_config, hf_config, rotate_half_rows, row_blocks
+from titan.checkpoint.hf import HF_CONFIG_FILE, check_hf_config, hf_config, rope_row_blocks, rotate_half_rows
 from titan.checkpoint.hf_io import INDEX_FILE, SHARDED_FOLDER, inspect_folder, read_hf_weights
 from titan.config.errors import ConfigError
 from titan.data.loader import build_dataloader
 from titan.data.micro_batch import document_layout, mask_cross_document_targets
 from titan.data.tokenizer import build_tokenizer
 from titan.models.common.attention import Attention
+from titan.models.common.hf_mapping import VocabRows
 from titan.models.common.loss import cross_entropy_loss
 from titan.models.common.rotary import apply_rotary_emb, precompute_rope_cache
 from titan.models.families import FAMILIES
@@ -102,36 +103,30 @@ def test_rope_permutation_gives_hf_rotate_half_the_same_scores() -> None:
         assert not torch.allclose(scores(unpermuted_q, unpermuted_k), scores(titan_q, titan_k), atol=1e-3)
 
 
-def test_row_blocks_map_a_chunk_to_its_hf_rows() -> None:
+def test_rope_row_blocks_map_a_chunk_to_its_hf_rows() -> None:
     head_dim = DEBUG.dim // DEBUG.n_heads  # 16
-
-    (block,) = row_blocks("layers.2.feed_forward.w1.weight", 100, 50, DEBUG)
-    assert block.hf_row == 100 and torch.equal(block.local_rows, torch.arange(50)) and block.contiguous_start == 0
-    (block,) = row_blocks("output.weight", 2200, 104, DEBUG)  # crosses vocab_size: the padding rows have no HF row
-    assert block.hf_row == 2200 and torch.equal(block.local_rows, torch.arange(VOCAB - 2200))
-    assert row_blocks("tok_embeddings.weight", VOCAB, 48, DEBUG) == []
 
     # Whole heads stay on their own rows, permuted within each head: never a plain slice, although the block
     # starts and ends at the chunk's ends.
-    (block,) = row_blocks("layers.0.attention.wk.weight", 2 * head_dim, 2 * head_dim, DEBUG)
+    (block,) = rope_row_blocks(2 * head_dim, 2 * head_dim, head_dim)
     assert block.hf_row == 2 * head_dim and block.contiguous_start is None
 
-    for fqn, first_row, num_rows in [("layers.0.attention.wq.weight", 20, 40),  # from mid-head 1 to mid-head 3
-                                     ("layers.0.attention.wq.weight", 5, 6),  # inside one head
-                                     ("layers.5.attention.wk.weight", 0, DEBUG.n_kv_heads * head_dim)]:
-        blocks = row_blocks(fqn, first_row, num_rows, DEBUG)
-        assert 1 <= len(blocks) <= 3, (fqn, first_row, num_rows)
+    for first_row, num_rows in [(20, 40),  # from mid-head 1 to mid-head 3
+                                (5, 6),  # inside one head
+                                (0, DEBUG.n_kv_heads * head_dim)]:
+        blocks = rope_row_blocks(first_row, num_rows, head_dim)
+        assert 1 <= len(blocks) <= 3, (first_row, num_rows)
         # Applied, the blocks put every row of the chunk once, where the full permutation puts it.
         hf_row_of = rotate_half_rows(torch.arange(first_row, first_row + num_rows), head_dim)
         placed = torch.cat([block.local_rows for block in blocks])
         assert torch.equal(placed.sort().values, torch.arange(num_rows))
         for block in blocks:
             assert torch.equal(hf_row_of[block.local_rows], block.hf_row + torch.arange(len(block.local_rows)))
-    assert len(row_blocks("layers.0.attention.wq.weight", 20, 40, DEBUG)) == 3
+    assert len(rope_row_blocks(20, 40, head_dim)) == 3
 
 
 def test_read_hf_weights_checks_config(debug_model: Transformer, hf_folder: Path) -> None:
-    assert inspect_folder(hf_folder, DEBUG)["output.weight"] == "lm_head.weight"
+    assert VocabRows("output.weight", "lm_head.weight") in inspect_folder(hf_folder, DEBUG)
     with pytest.raises(ConfigError) as error:
         read_hf_weights(hf_folder, dataclasses.replace(DEBUG, n_layers=4, rope_scaling=SHORT_CONTEXT_SCALING))
     message = str(error.value)

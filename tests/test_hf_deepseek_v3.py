@@ -13,17 +13,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from titan.checkpoint.hf import hf_names
+from titan.checkpoint.hf import export_transforms, hf_names
 from titan.checkpoint.hf_io import read_hf_weights, save_hf
 from titan.config.errors import ConfigError
 from titan.models.common.args import YarnScaling
-from titan.models.common.loss import cross_entropy_loss
+from titan.models.common.hf_mapping import Same, VocabRows
 from titan.models.common.moe import MoEArgs
 from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args, Transformer, init_weights
 
 from harness.hf_models import (
     TOKENIZER,
     VOCAB,
+    next_token_gradients,
     read_safetensors,
     sample_tokens,
     spread_transformers_weights,
@@ -67,7 +68,7 @@ def test_export_matches_transformers_logits(exported: tuple, monkeypatch: pytest
     with torch.no_grad():
         torch.testing.assert_close(hf_model(tokens).logits, model.user_logits(tokens), **LOGITS_TOLERANCE)
     hf = read_safetensors(folder)
-    assert sorted(hf) == sorted(hf_names(args).values())
+    assert sorted(hf) == sorted(hf_names(args))
     assert not any(name.startswith("mtp") or ".layers.3." in name for name in hf)  # MTP modules are not exported
     config = json.loads((folder / "config.json").read_text())
     assert config["num_nextn_predict_layers"] == 0 and config["rope_scaling"]["rope_type"] == "yarn"
@@ -77,19 +78,14 @@ def test_gradients_match_transformers(exported: tuple) -> None:
     """The next-token loss's gradient of every weight, Titan's against transformers' (whose experts are fused:
     gate_up_proj holds w1 over w3)."""
     args, model, hf_model, _ = exported
-    tokens = sample_tokens()
-    labels = torch.roll(tokens, -1, dims=1)
-    model.zero_grad()
-    hf_model.zero_grad()
-    cross_entropy_loss(model(tokens), labels, VOCAB).backward()
-    cross_entropy_loss(hf_model(tokens).logits, labels, VOCAB).backward()
-    hf_grads = {name: param.grad for name, param in hf_model.named_parameters()}
+    hf_grads = next_token_gradients(model, hf_model)
     titan = dict(model.named_parameters())
     checked = set()
-    for key, hf_name in hf_names(args).items():
-        if key in titan and hf_name in hf_grads:
-            torch.testing.assert_close(titan[key].grad[:VOCAB], hf_grads[hf_name], rtol=1e-4, atol=1e-6)
-            checked.add(hf_name)
+    for transform in export_transforms(args):
+        if isinstance(transform, (Same, VocabRows)) and transform.fqn in titan and transform.hf in hf_grads:
+            torch.testing.assert_close(titan[transform.fqn].grad[:VOCAB], hf_grads[transform.hf], rtol=1e-4,
+                                       atol=1e-6)
+            checked.add(transform.hf)
     for layer in range(args.first_k_dense_replace, args.n_layers):
         experts, hf_experts = model.layers[str(layer)].moe.experts, f"model.layers.{layer}.mlp.experts"
         w1, w3 = hf_grads[f"{hf_experts}.gate_up_proj"].chunk(2, dim=1)

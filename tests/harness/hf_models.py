@@ -1,6 +1,6 @@
 """What the Hugging Face interop tests of every family share: the shipped tokenizer and its odd vocabulary, the
 Llama debug model's args and folder shards, loading an exported folder in transformers and drawing its weights for a
-comparison, reading a folder's safetensors files whole and comparing them, Llama's HF layout written out from hf.py's
+comparison, both models' next-token gradients, reading a folder's safetensors files whole and comparing them, Llama's HF layout written out from hf.py's
 docstring, a DCP step folder on one process, and the scripts started side by side."""
 
 import dataclasses
@@ -14,8 +14,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from titan.checkpoint.hf import VOCAB_FQNS, hf_names, rotate_half_rows
+from titan.checkpoint.hf import VOCAB_FQNS, export_transforms, rotate_half_rows
 from titan.data.tokenizer import SHIPPED_TOKENIZER, build_tokenizer
+from titan.models.common.loss import cross_entropy_loss
 from titan.models.common.rotary import RopeScaling
 from titan.models.llama.args import LLAMA3_FLAVORS, ModelArgs
 
@@ -61,6 +62,19 @@ def transformers_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
         return hf_model(tokens).logits
 
 
+def next_token_gradients(model: torch.nn.Module, hf_model: torch.nn.Module, vocab: int = VOCAB
+                         ) -> dict[str, torch.Tensor]:
+    """Back-propagate the next-token loss of sample_tokens() through the Titan model and the transformers model of the
+    same weights (each's gradients zeroed first), and return the transformers model's gradients by name."""
+    tokens = sample_tokens()
+    labels = torch.roll(tokens, -1, dims=1)
+    model.zero_grad()
+    hf_model.zero_grad()
+    cross_entropy_loss(model(tokens), labels, vocab).backward()
+    cross_entropy_loss(hf_model(tokens).logits, labels, vocab).backward()
+    return {name: param.grad for name, param in hf_model.named_parameters()}
+
+
 def sample_tokens(seq: int = 48) -> torch.Tensor:
     """Two rows of `seq` token ids below VOCAB, the same at every call."""
     return torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
@@ -96,7 +110,8 @@ def expected_hf_tensors(state_dict: dict[str, torch.Tensor], args: ModelArgs) ->
     code under test goes row block by row block): vocab rows cut at vocab_size, wq/wk rows moved to their HF rows."""
     head_dim = args.dim // args.n_heads
     tensors = {}
-    for fqn, hf_name in hf_names(args).items():
+    for transform in export_transforms(args):
+        fqn, hf_name = transform.fqn, transform.hf
         tensor = state_dict[fqn][:args.vocab_size] if fqn in VOCAB_FQNS else state_dict[fqn]
         if fqn.endswith(("attention.wq.weight", "attention.wk.weight")):
             permuted = torch.empty_like(tensor)

@@ -1,29 +1,26 @@
 """Titan <-> Hugging Face causal LMs, each as its family's mapping describes its transformers class
-(titan/models/<family>/hf.py: LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM): parameter names, the RoPE row
-layout of wq/wk (and of Qwen3's QK-norm), per-expert tensors, vocab rows and config.json.
+(titan/models/<family>/hf.py): config.json, and a list of tensor transforms (titan/models/common/hf_mapping.py) whose
+reads and writes this module plans, chunk by chunk, so that each rank reads and writes only the rows of its own
+shards (titan/checkpoint/hf_io.py runs the plans through DCP's Hugging Face storage).
 
-RoPE layouts. Both rotate channel pairs of each head by position * freq_i, i < head_dim/2, but they pair
-different channels:
-  Titan (Meta, complex pairs): channels (2i, 2i+1),          out[2i] = x[2i] cos - x[2i+1] sin
-  HF (rotate_half):            channels (i, i + head_dim/2), out[i]  = x[i] cos - x[i + head_dim/2] sin
-So HF channel i is Titan channel 2i and HF channel i + head_dim/2 is Titan channel 2i+1: within each head,
-HF row r*head_dim/2 + i of wq/wk is Titan row 2i + r (r = 0 real part, 1 imaginary part). Permuting the
-output channels of q and k the same way leaves every q.k score unchanged; v and wo don't see RoPE. Qwen3's
-q_norm/k_norm scale each channel of a head before the rotation, so their head_dim weights move the same way (an
-RMS over a head doesn't depend on the channels' order).
-
-Experts. Titan stacks a layer's experts into one (num_experts, rows, cols) tensor per projection; Qwen3-MoE
-checkpoints on the hub store one tensor per expert (mlp.experts.<e>.gate_proj.weight ...), which is also what
-transformers 5.x's save_pretrained writes back after fusing them at load time. hf_names keys expert e's matrix
-of the Titan tensor `fqn` as `fqn[e]`, so every key maps to exactly one HF tensor.
-
-Vocab rows. Titan pads the embedding and output to padded_vocab_size rows; those padding rows have no HF row.
-Llama checkpoints hold exactly the tokenizer's rows. Qwen's hub checkpoints hold more (151,936 for a tokenizer of
-151,669 tokens): import reads the first vocab_size rows (the tokenizer's; no id reaches the others, and Titan's
-own padding rows stay zero), and export writes exactly vocab_size rows with config.json's vocab_size to match.
+A chunk is a rank's part of a Titan tensor: a box, its offsets in the whole tensor and its local shape (FSDP and TP
+cut tensors into boxes; an FSDP-sharded stack of experts holds some experts whole). Each transform maps a chunk to
+boxes of Hugging Face tensors:
+- Same, VocabRows: the box itself (cut at vocab_size for the embedding and output: their padding rows have no HF row,
+  and a hub checkpoint's extra rows, Qwen's 151,936 for 151,669 tokens, are never read).
+- RopeRows: at most three runs of consecutive HF rows. Both layouts rotate channel pairs of each head:
+    Titan (Meta, complex pairs): channels (2i, 2i+1),          out[2i] = x[2i] cos - x[2i+1] sin
+    HF (rotate_half):            channels (i, i + head_dim/2), out[i]  = x[i] cos - x[i + head_dim/2] sin
+  so within each head Titan row 2i + r is HF row r * head_dim/2 + i. Permuting the output channels of q and k the same
+  way leaves every q.k score unchanged (v and wo don't see RoPE). The permutation stays inside a head: whole heads map
+  onto the same rows, and a head cut by the chunk's start or end splits into its even and odd rows.
+- ExpertSplit: one box per expert the chunk holds, that expert's matrix (Qwen3-MoE's and DeepSeek-V3's hub layout,
+  which transformers 5.x's save_pretrained also writes back after fusing them at load time).
+- Interleaved: one box of the merged tensor, its rows k times the chunk's, of which the chunk takes every k-th.
+- MXFP4: the blocks and scales of the chunk's rows and 32-column groups, decoded with the OCP MX code of titan/quant.
 """
 
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,14 +29,27 @@ from torch import Tensor
 
 from titan.config.errors import ConfigError
 from titan.models.common.args import DecoderArgs, YarnScaling
-from titan.models.common.hf_mapping import HFMapping
+from titan.models.common.hf_mapping import (
+    MXFP4,
+    ExpertSplit,
+    HFMapping,
+    Interleaved,
+    OneOf,
+    RopeRows,
+    Same,
+    Transform,
+    VocabRows,
+)
 from titan.models.families import family_of
+from titan.quant.formats import MX_BLOCK_SIZE
+from titan.quant.mx.numerics import dequantize
+from titan.quant.nvfp4.numerics import e2m1_values, unpack
 
 HF_CONFIG_FILE = "config.json"
 
-# Titan pads these rows to padded_vocab_size; HF has vocab_size rows (or more, see the module docstring).
+# Titan pads these rows to padded_vocab_size; HF has vocab_size rows (or more, see VocabRows).
 VOCAB_FQNS = ("tok_embeddings.weight", "output.weight")
-HF_EMBEDDING, HF_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
+MXFP4_BLOCK_BYTES = MX_BLOCK_SIZE // 2  # two E2M1 codes a byte
 
 
 def hf_family(args: DecoderArgs) -> HFMapping:
@@ -51,35 +61,52 @@ def hf_family(args: DecoderArgs) -> HFMapping:
         raise ConfigError(f"{error} (--model.flavor)") from None
 
 
-def expert_key(fqn: str, expert: int) -> str:
-    """hf_names' key of expert `expert`'s matrix of the stacked Titan tensor `fqn`."""
-    return f"{fqn}[{expert}]"
+# ---- the transforms of a model ----
+
+def export_transforms(args: DecoderArgs) -> list[Transform]:
+    """What an export writes: each transform of the family's mapping, the first of a OneOf's options."""
+    return [transform.options[0] if isinstance(transform, OneOf) else transform
+            for transform in hf_family(args).transforms(args)]
 
 
-def titan_fqn(key: str) -> str:
-    """The Titan FQN of an hf_names key: the key itself, or the stacked tensor an expert's key indexes."""
-    return key.partition("[")[0]
+def import_transforms(args: DecoderArgs, present: Collection[str]) -> list[Transform]:
+    """What an import of a folder holding the HF tensors `present` reads: of a OneOf, the first option whose tensors
+    are all there (the class's own layout where an option is missing, so that the folder's check names what it
+    lacks)."""
+    transforms = []
+    for transform in hf_family(args).transforms(args):
+        if isinstance(transform, OneOf):
+            held = [option for option in transform.options if set(hf_tensor_names(option)) <= set(present)]
+            transform = (held or transform.options)[0]
+        transforms.append(transform)
+    return transforms
 
 
-def hf_names(args: DecoderArgs) -> dict[str, str]:
-    """Key -> HF name of every HF tensor, in Titan's state-dict order. A key is a Titan FQN, or `fqn[e]` for expert
-    e's matrix of a stacked expert tensor. A tied output has no key (HF stores only the embedding), nor does
-    MoE's routing bias where the class has none (Qwen3-MoE's: auxiliary-loss-free balancing is Titan's), nor what
-    the family's mapping does not export (DeepSeek-V3's multi-token prediction modules)."""
-    family = hf_family(args)
-    names = {"tok_embeddings.weight": HF_EMBEDDING}
-    for layer_id in range(args.n_layers):
-        titan_layer, hf_layer = f"layers.{layer_id}", f"model.layers.{layer_id}"
-        dense = layer_id < family.num_dense_layers(args)
-        layer_names = family.dense_layer_names if dense else family.layer_names
-        num_experts = args.moe.num_experts if family.expert_names and not dense else 0
-        names.update({f"{titan_layer}.{titan}": f"{hf_layer}.{hf}" for titan, hf in layer_names.items()})
-        names.update({expert_key(f"{titan_layer}.{titan}", expert): f"{hf_layer}.{hf.format(expert=expert)}"
-                      for titan, hf in family.expert_names.items() for expert in range(num_experts)})
-    names["norm.weight"] = "model.norm.weight"
-    if not args.tie_embeddings:
-        names["output.weight"] = HF_OUTPUT
-    return names
+def titan_fqns(transform: Transform) -> tuple[str, ...]:
+    """The Titan tensors a transform fills on import and reads on export."""
+    return transform.fqns if isinstance(transform, (Interleaved, MXFP4)) else (transform.fqn,)
+
+
+def hf_tensor_names(transform: Transform) -> list[str]:
+    """The Hugging Face tensors a transform reads or writes."""
+    if isinstance(transform, ExpertSplit):
+        return [transform.hf.format(expert=expert) for expert in range(transform.num_experts)]
+    if isinstance(transform, MXFP4):
+        return [f"{transform.hf}_blocks", f"{transform.hf}_scales"]
+    return [transform.hf]
+
+
+def hf_names(args: DecoderArgs) -> list[str]:
+    """Every tensor an export writes, in Titan's state-dict order."""
+    return [name for transform in export_transforms(args) for name in hf_tensor_names(transform)]
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """A Hugging Face tensor as a folder must hold it: its shape, and whether it is a float tensor (or uint8 codes)."""
+
+    shape: torch.Size
+    floating: bool = True
 
 
 def titan_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
@@ -89,18 +116,39 @@ def titan_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
     return {fqn: tensor.shape for fqn, tensor in model.state_dict().items()}
 
 
-def hf_shapes(args: DecoderArgs, vocab_rows: int | None = None) -> dict[str, torch.Size]:
-    """Shape of every tensor in the HF state dict for `args`: Titan's, with `vocab_rows` (default: vocab_size)
-    rows for the embedding and output, and one (rows, cols) matrix per expert."""
-    titan = titan_shapes(args)
-    shapes = {}
-    for key, hf in hf_names(args).items():
-        fqn = titan_fqn(key)
-        if fqn in VOCAB_FQNS:
-            shapes[hf] = torch.Size([args.vocab_size if vocab_rows is None else vocab_rows, args.dim])
-        else:
-            shapes[hf] = titan[fqn][1:] if key != fqn else titan[fqn]
-    return shapes
+def transform_hf_tensors(transform: Transform, shapes: Mapping[str, torch.Size],
+                         vocab_rows: int) -> dict[str, HFTensor]:
+    """The HF tensors of a transform, given the Titan tensors' shapes, with `vocab_rows` rows for VocabRows."""
+    if isinstance(transform, VocabRows):
+        return {transform.hf: HFTensor(torch.Size([vocab_rows, *shapes[transform.fqn][1:]]))}
+    if isinstance(transform, (Same, RopeRows)):
+        return {transform.hf: HFTensor(shapes[transform.fqn])}
+    if isinstance(transform, ExpertSplit):
+        return {name: HFTensor(shapes[transform.fqn][1:]) for name in hf_tensor_names(transform)}
+    first = shapes[transform.fqns[0]]
+    rows = len(transform.fqns) * first[1]
+    if isinstance(transform, Interleaved):
+        return {transform.hf: HFTensor(torch.Size([first[0], *first[2:], rows]))}
+    groups = first[2] // MX_BLOCK_SIZE
+    blocks, scales = hf_tensor_names(transform)
+    return {blocks: HFTensor(torch.Size([first[0], rows, groups, MXFP4_BLOCK_BYTES]), floating=False),
+            scales: HFTensor(torch.Size([first[0], rows, groups]), floating=False)}
+
+
+def hf_tensors(transforms: list[Transform], args: DecoderArgs,
+               vocab_rows: int | None = None) -> dict[str, HFTensor]:
+    """Every HF tensor of `transforms`, in their order, with `vocab_rows` (default: vocab_size) embedding and output
+    rows."""
+    shapes = titan_shapes(args)
+    tensors: dict[str, HFTensor] = {}
+    for transform in transforms:
+        tensors.update(transform_hf_tensors(transform, shapes, args.vocab_size if vocab_rows is None else vocab_rows))
+    return tensors
+
+
+def hf_shapes(args: DecoderArgs) -> dict[str, torch.Size]:
+    """Shape of every tensor an export writes, in its order."""
+    return {name: tensor.shape for name, tensor in hf_tensors(export_transforms(args), args).items()}
 
 
 def hf_vocab_rows(config: dict, args: DecoderArgs) -> int:
@@ -140,6 +188,40 @@ def check_shapes(shapes: Mapping[str, torch.Size], expected: dict[str, torch.Siz
     raise_mismatches(problems)
 
 
+# ---- reads and writes of a chunk ----
+
+@dataclass(frozen=True)
+class Box:
+    """A box of the Hugging Face tensor `name`: where it starts in each dim, and its size there."""
+
+    name: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadStep:
+    """Reads that fill part of a chunk: one box straight into `target` (a view of the chunk), or boxes into buffers
+    of `dtypes` (None: the chunk's) that `place` then puts into the chunk."""
+
+    boxes: tuple[Box, ...]
+    target: Tensor | None = None
+    dtypes: tuple[torch.dtype | None, ...] = (None,)
+    place: Callable[[list[Tensor]], None] | None = None
+
+
+@dataclass(frozen=True)
+class SaveStep:
+    """A write: the box, and the chunk's values for it in HF layout (computed when the writer asks)."""
+
+    box: Box
+    data: Callable[[], Tensor]
+
+
+Chunk = tuple[Tensor, tuple[int, ...]]
+"""A rank's part of a Titan tensor and where it starts in the whole tensor."""
+
+
 def rotate_half_rows(rows: Tensor, head_dim: int) -> Tensor:
     """HF row of each Titan wq/wk (or QK-norm) row in `rows`: within its head, Titan row 2i + r is HF row
     r * head_dim/2 + i."""
@@ -162,34 +244,120 @@ class RowBlock:
         return int(self.local_rows[0]) if bool((steps == 1).all()) else None
 
 
-def row_blocks(key: str, first_row: int, num_rows: int, args: DecoderArgs) -> list[RowBlock]:
-    """Where rows [first_row, first_row + num_rows) of the Titan tensor `key` (an hf_names key: one rank's chunk of
-    it) lie in the HF tensor, as runs of consecutive HF rows. This is what lets each rank read and write only its own
-    shard: FSDP and TP chunk every tensor into row ranges (TP's column shards keep all rows), and a row range maps to
-
-    - itself, for tensors with the same layout in both (an expert's matrix among them);
-    - itself cut at vocab_size, for the embedding and output, whose padding rows have no HF row;
-    - at most three HF runs for wq/wk and the QK-norms: the permutation stays inside a head, so whole heads map onto
-      the same rows, and a head cut by the chunk's start or end splits into its even (first HF half) and odd
-      (second half) rows.
-    """
-    end = first_row + num_rows
-    if key in VOCAB_FQNS:
-        end = min(end, args.vocab_size)
-    if end <= first_row:
-        return []
-    rows = torch.arange(first_row, end)
-    if not key.endswith(hf_family(args).rope_rows):
-        return [RowBlock(first_row, rows - first_row)]
-    hf_rows, local_rows = torch.sort(rotate_half_rows(rows, args.head_dim))
+def rope_row_blocks(first_row: int, num_rows: int, head_dim: int) -> list[RowBlock]:
+    """Where rows [first_row, first_row + num_rows) of a RopeRows tensor lie in the HF tensor, as runs of consecutive
+    HF rows: at most three, since whole heads map onto their own rows."""
+    rows = torch.arange(first_row, first_row + num_rows)
+    hf_rows, local_rows = torch.sort(rotate_half_rows(rows, head_dim))
     breaks = (torch.diff(hf_rows) != 1).nonzero().flatten() + 1  # where one run of consecutive HF rows ends
     return [RowBlock(int(run[0]), local) for run, local in zip(hf_rows.tensor_split(breaks),
                                                                local_rows.tensor_split(breaks))]
 
 
+def kept_rows(transform: Transform, first_row: int, num_rows: int, vocab_size: int) -> int:
+    """How many of a chunk's rows have HF rows: VocabRows' stop at vocab_size, every other transform's don't."""
+    if isinstance(transform, VocabRows):
+        return max(0, min(num_rows, vocab_size - first_row))
+    return num_rows
+
+
+def load_steps(transform: Transform, fqn: str, chunk: Chunk, vocab_size: int) -> list[LoadStep]:
+    """The reads that fill the chunk of Titan tensor `fqn` (one of transform's) from the HF tensors."""
+    local, offsets = chunk
+    if local.numel() == 0:
+        return []
+    if isinstance(transform, (Same, VocabRows)):
+        rows = kept_rows(transform, offsets[0], local.size(0), vocab_size)
+        return [LoadStep((Box(transform.hf, offsets, (rows, *local.shape[1:])),), target=local[:rows])] if rows else []
+    if isinstance(transform, RopeRows):
+        return [rope_load_step(transform.hf, block, chunk) for block in
+                rope_row_blocks(offsets[0], local.size(0), transform.head_dim)]
+    if isinstance(transform, ExpertSplit):
+        return [LoadStep((Box(transform.hf.format(expert=offsets[0] + i), offsets[1:], tuple(matrix.shape)),),
+                         target=matrix) for i, matrix in enumerate(local.unbind(0))]
+    phase, stride = transform.fqns.index(fqn), len(transform.fqns)
+    if isinstance(transform, Interleaved):
+        box = Box(transform.hf, (offsets[0], *offsets[2:], stride * offsets[1]),
+                  (local.size(0), *local.shape[2:], stride * local.size(1)))
+
+        def place_interleaved(buffers: list[Tensor]) -> None:
+            local.copy_(buffers[0][..., phase::stride].movedim(-1, 1))
+        return [LoadStep((box,), place=place_interleaved)]
+    return [mxfp4_load_step(transform, phase, stride, chunk)]
+
+
+def rope_load_step(hf: str, block: RowBlock, chunk: Chunk) -> LoadStep:
+    """A run of RopeRows' HF rows: straight into the chunk where its rows are a slice of it, else through a buffer."""
+    local, offsets = chunk
+    box = Box(hf, (block.hf_row, *offsets[1:]), (len(block.local_rows), *local.shape[1:]))
+    start = block.contiguous_start
+    if start is not None:
+        return LoadStep((box,), target=local.narrow(0, start, len(block.local_rows)))
+
+    def place(buffers: list[Tensor]) -> None:
+        local.index_copy_(0, block.local_rows.to(local.device), buffers[0])
+    return LoadStep((box,), place=place)
+
+
+def mxfp4_load_step(transform: MXFP4, phase: int, stride: int, chunk: Chunk) -> LoadStep:
+    """The blocks and scales of the chunk's experts, its rows' interleaved HF rows and the 32-column groups its
+    columns lie in, dequantized, and the chunk's rows and columns of them."""
+    local, (first_expert, first_row, first_column) = chunk
+    num_experts, num_rows, num_columns = local.shape
+    first_group = first_column // MX_BLOCK_SIZE
+    num_groups = -(-(first_column + num_columns) // MX_BLOCK_SIZE) - first_group
+    blocks_name, scales_name = hf_tensor_names(transform)
+    starts, lengths = (first_expert, stride * first_row, first_group), (num_experts, stride * num_rows, num_groups)
+    boxes = (Box(blocks_name, (*starts, 0), (*lengths, MXFP4_BLOCK_BYTES)), Box(scales_name, starts, lengths))
+
+    def place(buffers: list[Tensor]) -> None:
+        blocks, scales = buffers
+        values = dequantize(scales, e2m1_values(unpack(blocks)).flatten(-2))  # (experts, rows, groups x 32) fp32
+        skip = first_column - first_group * MX_BLOCK_SIZE
+        local.copy_(values[:, phase::stride, skip:skip + num_columns])
+    return LoadStep(boxes, dtypes=(torch.uint8, torch.uint8), place=place)
+
+
+def save_steps(transform: Transform, chunks: Mapping[str, Chunk], vocab_size: int) -> list[SaveStep]:
+    """The writes of a transform's HF tensors from the chunks of its Titan tensors (all of one layout, where there
+    are several: they are sharded alike)."""
+    if isinstance(transform, MXFP4):
+        raise ValueError(f"{transform.hf}: MXFP4 is an import-only layout; exports write the class's own.")
+    local, offsets = chunks[titan_fqns(transform)[0]]
+    if local.numel() == 0:
+        return []
+    if isinstance(transform, (Same, VocabRows)):
+        rows = kept_rows(transform, offsets[0], local.size(0), vocab_size)
+        return [SaveStep(Box(transform.hf, offsets, (rows, *local.shape[1:])), lambda: local[:rows])] if rows else []
+    if isinstance(transform, RopeRows):
+        return [rope_save_step(transform.hf, block, (local, offsets))
+                for block in rope_row_blocks(offsets[0], local.size(0), transform.head_dim)]
+    if isinstance(transform, ExpertSplit):
+        return [SaveStep(Box(transform.hf.format(expert=offsets[0] + i), offsets[1:], tuple(matrix.shape)),
+                         lambda matrix=matrix: matrix) for i, matrix in enumerate(local.unbind(0))]
+    stride = len(transform.fqns)
+    box = Box(transform.hf, (offsets[0], *offsets[2:], stride * offsets[1]),
+              (local.size(0), *local.shape[2:], stride * local.size(1)))
+    # (experts, ..., rows, stride) -> (experts, ..., rows x stride): row i of tensor j at i x stride + j.
+    return [SaveStep(box, lambda: torch.stack([chunks[fqn][0].movedim(1, -1) for fqn in transform.fqns],
+                                              dim=-1).flatten(-2))]
+
+
+def rope_save_step(hf: str, block: RowBlock, chunk: Chunk) -> SaveStep:
+    local, offsets = chunk
+    box = Box(hf, (block.hf_row, *offsets[1:]), (len(block.local_rows), *local.shape[1:]))
+    start = block.contiguous_start
+    if start is not None:
+        return SaveStep(box, lambda: local.narrow(0, start, len(block.local_rows)))
+    return SaveStep(box, lambda: local.index_select(0, block.local_rows.to(local.device)))
+
+
 def hf_rope_scaling(args: DecoderArgs) -> dict[str, float | int | str] | None:
-    """The rope_scaling entry of config.json: HF's "llama3" or "yarn" rope type, or None for plain RoPE (always, for
-    Qwen3)."""
+    """The rope_scaling entry of config.json: the family's own where its class writes its own keys, else HF's "llama3"
+    or "yarn" rope type, or None for plain RoPE (always, for Qwen3)."""
+    family_scaling = hf_family(args).rope_scaling
+    if family_scaling is not None:
+        return family_scaling(args)
     scaling = args.rope_scaling
     if scaling is None:
         return None

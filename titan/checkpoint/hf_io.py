@@ -3,11 +3,12 @@ storage: each rank reads and writes only the rows of its own shards, and no rank
 
 Load (load_hf): inspect_folder checks the folder on every rank before any tensor data is read: config.json, the
 index, every shard's header (through the `safetensors` package, which rejects truncated files, overlapping or
-out-of-range offsets and oversized headers), and the names, shapes and dtypes of the weights. HFLoadPlanner then
-asks HuggingFaceStorageReader for the HF rows of each local chunk (hf.row_blocks): RoPE rows land directly in their
-interleaved place, each HF expert tensor directly in its slice of the stacked Titan tensor, vocab padding rows and
-tensors without an HF counterpart (MoE's routing bias) are zeroed, and nothing outside the chunk is read or
-allocated.
+out-of-range offsets and oversized headers), and the names, shapes and dtypes of the weights, and picks the layout
+the folder holds where the family's mapping allows several (GPT-OSS's experts in bf16 or MXFP4). HFLoadPlanner then
+asks HuggingFaceStorageReader for the HF boxes of each local chunk (hf.load_steps): rows that are a slice of the
+chunk land there directly (RoPE runs, each HF expert tensor in its slice of the stacked Titan tensor), the others
+through a buffer of the box's size; vocab padding rows are zeroed, tensors without an HF counterpart (MoE's routing
+bias) keep their values, and nothing but the chunk's own boxes is read.
 
 Save (save_hf): HFSavePlanner hands each rank's rows to HuggingFaceStorageWriter in HF layout and the export dtype;
 each rank writes its chunks under <folder>/sharded, then torch's consolidate_safetensors_files_on_every_rank builds
@@ -19,7 +20,6 @@ import dataclasses
 import json
 import shutil
 from collections import Counter
-from collections.abc import Collection
 from pathlib import Path
 from typing import TypeVar
 
@@ -55,26 +55,29 @@ from torch.futures import Future
 
 from titan.checkpoint.hf import (
     HF_CONFIG_FILE,
-    HF_EMBEDDING,
-    HF_OUTPUT,
     VOCAB_FQNS,
-    RowBlock,
+    Chunk,
+    HFTensor,
+    LoadStep,
+    SaveStep,
     check_hf_config,
     check_shapes,
-    expert_key,
+    export_transforms,
     hf_config,
     hf_family,
-    hf_names,
-    hf_shapes,
+    hf_tensors,
     hf_vocab_rows,
-    row_blocks,
-    titan_fqn,
+    import_transforms,
+    load_steps,
+    save_steps,
+    titan_fqns,
 )
 from titan.config.errors import ConfigError
 from titan.data.hf_tokenizer import write_hf_tokenizer
 from titan.data.tokenizer import Tokenizer
 from titan.metrics.log import logger
 from titan.models.common.args import DecoderArgs
+from titan.models.common.hf_mapping import HF_EMBEDDING, HF_OUTPUT, Transform, VocabRows
 from titan.models.families import family_of
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,35 +86,18 @@ SHARDED_FOLDER = "sharded"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # safetensors dtype names a weight may have: any float, converted to the model's dtype as it is read.
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+CODE_DTYPES = {"U8"}
+"""What quantized layouts store as codes (MXFP4's blocks and scales)."""
 COPY_AGAIN = "Copy or download the folder again."
 
 
-def local_chunk(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+def local_chunk(tensor: Tensor) -> Chunk:
     """This rank's part of `tensor` and where it starts in the full tensor: a DTensor's local shard (FSDP and TP
     shards are boxes, which DCP's own chunk protocol describes), or a plain tensor whole."""
     if isinstance(tensor, DTensor):
         (chunk,) = tensor.__create_chunk_list__()
         return tensor.to_local(), tuple(chunk.offsets)
     return tensor, (0,) * tensor.dim()
-
-
-def hf_chunks(state_dict: dict[str, Tensor], keys: Collection[str]) -> dict[str, tuple[Tensor, tuple[int, ...]]]:
-    """This rank's part of every tensor of `state_dict` that has an HF counterpart, by its key among `keys` (hf_names'
-    keys), with where it starts in the full tensor (local_chunk). A stacked expert tensor gives each of its local
-    experts' matrices, a view, under that expert's key; tensors whose FQN no key names are left out."""
-    stacked = {titan_fqn(key) for key in keys} - set(keys)
-    chunks = {}
-    for fqn, tensor in state_dict.items():
-        if fqn not in keys and fqn not in stacked:
-            continue
-        local, offsets = local_chunk(tensor)
-        if fqn in stacked:
-            # Local expert i is expert offsets[0] + i, its matrix's part starting at offsets[1:] of that expert's.
-            chunks.update({expert_key(fqn, offsets[0] + i): (matrix, offsets[1:])
-                           for i, matrix in enumerate(local.unbind(0))})
-        else:
-            chunks[fqn] = (local, offsets)
-    return chunks
 
 
 # ---- inspecting a folder before loading ----
@@ -188,30 +174,39 @@ def read_headers(files: dict[Path, set[str] | None]) -> dict[str, tuple[Path, to
     return tensors
 
 
-def inspect_folder(folder: Path, args: DecoderArgs) -> dict[str, str]:
-    """Check a Hugging Face folder against `args` without reading tensor data, and return the HF tensor that fills
-    each key (hf_names' keys, plus the output of a tied model). One ConfigError names every problem and its file."""
+def inspect_folder(folder: Path, args: DecoderArgs) -> list[Transform]:
+    """Check a Hugging Face folder against `args` without reading tensor data, and return the transforms that fill
+    the Titan tensors from it (hf.import_transforms, plus the output of a tied model). One ConfigError names every
+    problem and its file."""
     config = read_config(folder, args)
     tensors = skip_extra_layers(read_headers(weight_files(folder)), args, folder)
-    names = hf_names(args)
+    transforms = import_transforms(args, tensors)
     # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
     # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
     # trains an output of its own, which starts as a copy.
     if args.tie_embeddings or (config.get("tie_word_embeddings") and HF_OUTPUT not in tensors):
-        names["output.weight"] = HF_EMBEDDING
+        transforms = [t for t in transforms if not (isinstance(t, VocabRows) and t.fqn == "output.weight")]
+        transforms.append(VocabRows("output.weight", HF_EMBEDDING))
     vocab_rows = hf_vocab_rows(config, args)
     if vocab_rows > args.vocab_size:
         logger.info(f"{folder} holds {vocab_rows} vocabulary rows; Titan reads the first {args.vocab_size}, the "
                     f"tokenizer's, and drops the others, which no token id reaches.")
-    expected = {hf: shape for hf, shape in hf_shapes(args, vocab_rows).items() if hf in names.values()}
-    check_shapes({name: shape for name, (_, shape, _) in tensors.items()}, expected, f"Hugging Face folder {folder}",
+    expected = hf_tensors(transforms, args, vocab_rows)
+    check_shapes({name: shape for name, (_, shape, _) in tensors.items()},
+                 {name: tensor.shape for name, tensor in expected.items()}, f"Hugging Face folder {folder}",
                  files={name: file.name for name, (file, _, _) in tensors.items()})
     wrong_dtypes = [f"{name} is {dtype} in {file.name}" for name, (file, _, dtype) in tensors.items()
-                    if dtype not in FLOAT_DTYPES]
+                    if dtype not in dtypes_of(expected[name])]
     if wrong_dtypes:
-        raise ConfigError(f"Hugging Face folder {folder} has weights that are not floating point: "
+        raise ConfigError(f"Hugging Face folder {folder} has weights whose dtype their layout does not hold: "
                           f"{'; '.join(wrong_dtypes[:8])}. {COPY_AGAIN}")
-    return names
+    return transforms
+
+
+def dtypes_of(tensor: HFTensor) -> set[str]:
+    """The safetensors dtypes a tensor may have: any float, converted to the model's dtype as it is read, or uint8
+    codes for a quantized layout's."""
+    return FLOAT_DTYPES if tensor.floating else CODE_DTYPES
 
 
 T = TypeVar("T")
@@ -240,38 +235,51 @@ def layer_number(name: str) -> int | None:
 # ---- loading ----
 
 class HFLoadPlanner(DefaultLoadPlanner):
-    """Reads, for every local chunk of the Titan state dict, the HF rows that hold it (one read per row block)."""
+    """Reads, for every local chunk of the Titan state dict, the HF boxes that hold it (hf.load_steps)."""
 
-    def __init__(self, state_dict: dict[str, Tensor], sources: dict[str, str], args: DecoderArgs) -> None:
+    def __init__(self, state_dict: dict[str, Tensor], transforms: list[Transform], args: DecoderArgs) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.reads: list[ReadItem] = []
-        self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
-        for key, (local, offsets) in hf_chunks(state_dict, sources).items():
-            for block in row_blocks(key, offsets[0], local.shape[0], args):
-                storage_offsets = torch.Size([block.hf_row, *offsets[1:]])
-                dest = MetadataIndex(key, storage_offsets)
-                self.reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
-                                           dest_offsets=torch.Size([0] * local.dim()),
-                                           storage_index=MetadataIndex(sources[key], [0] * local.dim()),
-                                           storage_offsets=storage_offsets,
-                                           lengths=torch.Size([len(block.local_rows), *local.shape[1:]])))
-                self.blocks[dest] = (local, block)
+        self.steps: dict[MetadataIndex, tuple[LoadStep, int, Tensor]] = {}
+        self.buffers: dict[int, list[Tensor | None]] = {}  # a step's buffers as they are read, by id(step)
+        for transform in transforms:
+            # A pipeline stage's state dict holds its own layers only.
+            for fqn in (fqn for fqn in titan_fqns(transform) if fqn in state_dict):
+                local, offsets = local_chunk(state_dict[fqn])
+                for step in load_steps(transform, fqn, (local, offsets), args.vocab_size):
+                    self.add_reads(fqn, step, local)
+
+    def add_reads(self, fqn: str, step: LoadStep, local: Tensor) -> None:
+        for i, box in enumerate(step.boxes):
+            # The destination index names the chunk (fqn) and the HF box it reads, unique among all reads.
+            dest = MetadataIndex(f"{fqn}<-{box.name}", torch.Size(box.offsets))
+            self.reads.append(ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
+                                       dest_offsets=torch.Size([0] * len(box.lengths)),
+                                       storage_index=MetadataIndex(box.name, [0] * len(box.lengths)),
+                                       storage_offsets=torch.Size(box.offsets), lengths=torch.Size(box.lengths)))
+            self.steps[dest] = (step, i, local)
+        if step.target is None:
+            self.buffers[id(step)] = [None] * len(step.boxes)
 
     def create_local_plan(self) -> LoadPlan:
         return LoadPlan(self.reads)
 
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
-        """Where the reader copies the rows: the chunk itself if they are a slice of it, else a buffer."""
-        local, block = self.blocks[read_item.dest_index]
-        start = block.contiguous_start
-        if start is not None:
-            return local.narrow(0, start, len(block.local_rows))
-        return torch.empty(read_item.lengths, dtype=local.dtype, device=local.device)
+        """Where the reader copies a box: the chunk itself where the step reads into it, else a buffer."""
+        step, i, local = self.steps[read_item.dest_index]
+        if step.target is not None:
+            return step.target
+        return torch.empty(read_item.lengths, dtype=step.dtypes[i] or local.dtype, device=local.device)
 
     def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
-        local, block = self.blocks[read_item.dest_index]
-        if block.contiguous_start is None:
-            local.index_copy_(0, block.local_rows.to(local.device), tensor)
+        step, i, _ = self.steps[read_item.dest_index]
+        if step.target is not None:
+            return
+        buffers = self.buffers[id(step)]
+        buffers[i] = tensor
+        if all(buffer is not None for buffer in buffers):
+            step.place(buffers)
+            del self.buffers[id(step)]
 
 
 class BlockReader(HuggingFaceStorageReader):
@@ -296,15 +304,15 @@ def load_hf(folder: Path, state_dict: dict[str, Tensor], args: DecoderArgs) -> N
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
     Face folder. Every rank calls this; each reads only its own rows. Entries without an HF tensor (a routing bias
     the class lacks, multi-token prediction modules) keep what they hold: the caller's initialised values."""
-    sources = inspect_folder(folder, args)
-    loaded = {titan_fqn(key) for key in sources}
+    transforms = inspect_folder(folder, args)
+    loaded = {fqn for transform in transforms for fqn in titan_fqns(transform)}
     kept = sorted(fqn for fqn in state_dict if fqn not in loaded and fqn not in VOCAB_FQNS)
     if kept:
         logger.info(f"{len(kept)} tensors have no Hugging Face counterpart and keep their initial values: "
                     f"{kept[:4]}{' ...' if len(kept) > 4 else ''}")
     with torch.no_grad():
         dcp.load(state_dict, storage_reader=BlockReader(str(folder)),
-                 planner=HFLoadPlanner(state_dict, sources, args), no_dist=not dist.is_initialized())
+                 planner=HFLoadPlanner(state_dict, transforms, args), no_dist=not dist.is_initialized())
         for fqn, tensor in state_dict.items():
             if fqn in VOCAB_FQNS:
                 local, offsets = local_chunk(tensor)
@@ -328,41 +336,41 @@ def read_hf_weights(folder: Path, args: DecoderArgs) -> dict[str, Tensor]:
 # ---- saving ----
 
 class HFSavePlanner(DefaultSavePlanner):
-    """Writes every local chunk of the Titan state dict as HF rows (one chunk per row block) in `dtype`."""
+    """Writes every local chunk of the Titan state dict as HF boxes (hf.save_steps) in `dtype`."""
 
     def __init__(self, state_dict: dict[str, Tensor], args: DecoderArgs, dtype: torch.dtype) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.dtype = dtype
         self.writes: list[WriteItem] = []
-        self.blocks: dict[MetadataIndex, tuple[Tensor, RowBlock]] = {}
-        names, shapes = hf_names(args), hf_shapes(args)
-        for key, (local, offsets) in hf_chunks(state_dict, names).items():
-            for block in row_blocks(key, offsets[0], local.shape[0], args):
-                chunk = ChunkStorageMetadata(offsets=torch.Size([block.hf_row, *offsets[1:]]),
-                                             sizes=torch.Size([len(block.local_rows), *local.shape[1:]]))
-                index = MetadataIndex(names[key], chunk.offsets)
+        self.steps: dict[MetadataIndex, SaveStep] = {}
+        transforms = export_transforms(args)
+        shapes = {name: tensor.shape for name, tensor in hf_tensors(transforms, args).items()}
+        for transform in transforms:
+            if titan_fqns(transform)[0] not in state_dict:  # another pipeline stage's (its tensors are one block's)
+                continue
+            chunks = {fqn: local_chunk(state_dict[fqn]) for fqn in titan_fqns(transform)}
+            for step in save_steps(transform, chunks, args.vocab_size):
+                chunk = ChunkStorageMetadata(offsets=torch.Size(step.box.offsets), sizes=torch.Size(step.box.lengths))
+                index = MetadataIndex(step.box.name, chunk.offsets)
                 # A replicated tensor (a norm under TP) gives every rank the same index; DCP keeps one writer.
                 self.writes.append(WriteItem(index=index, type=WriteItemType.SHARD, tensor_data=TensorWriteData(
-                    chunk=chunk, properties=TensorProperties(dtype=dtype), size=shapes[names[key]])))
-                self.blocks[index] = (local, block)
+                    chunk=chunk, properties=TensorProperties(dtype=dtype), size=shapes[step.box.name])))
+                self.steps[index] = step
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(self.writes)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> Tensor:
-        local, block = self.blocks[write_item.index]  # MetadataIndex ignores the plan's index hint in == and hash
-        start = block.contiguous_start
-        rows = (local.narrow(0, start, len(block.local_rows)) if start is not None
-                else local.index_select(0, block.local_rows.to(local.device)))
-        return rows.to(self.dtype)
+        # MetadataIndex ignores the plan's index hint in == and hash.
+        return self.steps[write_item.index].data().to(self.dtype).contiguous()
 
 
 class ShardedHFWriter(HuggingFaceStorageWriter):
     """HuggingFaceStorageWriter(save_distributed=True) that takes several chunks of one tensor from one rank.
 
     The writer puts a rank's chunks into a safetensors file keyed by tensor name, so one file holds one chunk per
-    tensor. A wq/wk shard that starts or ends inside a head has up to three (hf.row_blocks), so the n-th chunk of
+    tensor. A wq/wk shard that starts or ends inside a head has up to three (hf.rope_row_blocks), so the n-th chunk of
     each tensor goes to the rank's n-th file; consolidation reads chunks from any number of files.
     """
 
@@ -400,8 +408,8 @@ def file_indices(args: DecoderArgs, dtype: torch.dtype, max_shard_bytes: int) ->
     max_shard_bytes (a larger tensor gets a file of its own), as save_pretrained shards."""
     indices: dict[str, int] = {}
     index, file_bytes = 1, 0
-    for name, shape in hf_shapes(args).items():
-        size = shape.numel() * dtype.itemsize
+    for name, tensor in hf_tensors(export_transforms(args), args).items():
+        size = tensor.shape.numel() * dtype.itemsize
         if file_bytes and file_bytes + size > max_shard_bytes:
             index, file_bytes = index + 1, 0
         indices[name] = index
@@ -414,7 +422,7 @@ def save_hf(state_dict: dict[str, Tensor], folder: Path, args: DecoderArgs, dtyp
     """Write the Titan state dict (this rank's share, FQN -> tensor or DTensor) as a Hugging Face folder of the args'
     family: safetensors files in `dtype` with their index, config.json and the tokenizer files. Every rank calls this.
     A tied output, a routing bias the class lacks, and what the family's mapping does not export are left out
-    (hf_names); the last is logged."""
+    (hf.export_transforms); the last is logged."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     for prefix, why in hf_family(args).not_exported.items():
         left_out = [fqn for fqn in state_dict if fqn.startswith(prefix)]

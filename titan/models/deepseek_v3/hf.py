@@ -6,32 +6,54 @@ The multi-token prediction modules are no part of the inference model: exports l
 layers past the last (the release stores its MTP module as layer 61, which transformers skips too)."""
 
 from titan.models.common.hf_mapping import (
-    EXPERT_NAMES,
-    FEED_FORWARD_NAMES,
-    NORM_NAMES,
-    ROUTER_NAMES,
     HFMapping,
-    swiglu_names,
+    Same,
+    Transform,
+    decoder_transforms,
+    norm_transforms,
+    split_expert_transforms,
+    swiglu_transforms,
 )
 from titan.models.deepseek_v3.args import DeepSeekV3Args
 
 ATTENTION_NAMES = {
-    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
-    "attention.kv_norm.weight": "self_attn.kv_a_layernorm.weight",
-    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
+    "wkv_a.weight": "kv_a_proj_with_mqa.weight",
+    "kv_norm.weight": "kv_a_layernorm.weight",
+    "wkv_b.weight": "kv_b_proj.weight",
+    "wo.weight": "o_proj.weight",
 }
-QUERY_NAMES = {"attention.wq.weight": "self_attn.q_proj.weight"}
+QUERY_NAMES = {"wq.weight": "q_proj.weight"}
 LOW_RANK_QUERY_NAMES = {
-    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_a_layernorm.weight",
-    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "wq_a.weight": "q_a_proj.weight",
+    "q_norm.weight": "q_a_layernorm.weight",
+    "wq_b.weight": "q_b_proj.weight",
 }
-MOE_NAMES = {
-    "moe.router.expert_bias": "mlp.gate.e_score_correction_bias",
-    **ROUTER_NAMES,
-    **swiglu_names("moe.shared_experts", "mlp.shared_experts"),
-}
+
+
+def attention_transforms(args: DeepSeekV3Args, titan: str, hf: str) -> list[Transform]:
+    """Latent attention's tensors and the block's norms. rope_interleave is true, so RoPE's rows are in Titan's order:
+    nothing is permuted."""
+    names = {**(QUERY_NAMES if args.q_lora_rank == 0 else LOW_RANK_QUERY_NAMES), **ATTENTION_NAMES}
+    return [*(Same(f"{titan}.attention.{name}", f"{hf}.self_attn.{hf_name}") for name, hf_name in names.items()),
+            *norm_transforms(titan, hf)]
+
+
+def moe_transforms(args: DeepSeekV3Args, titan: str, hf: str) -> list[Transform]:
+    """The router with its e_score_correction_bias (Titan's expert_bias), shared experts as one SwiGLU, and each
+    routed expert's weights apart."""
+    return [Same(f"{titan}.moe.router.expert_bias", f"{hf}.mlp.gate.e_score_correction_bias"),
+            Same(f"{titan}.moe.router.gate.weight", f"{hf}.mlp.gate.weight"),
+            *swiglu_transforms(f"{titan}.moe.shared_experts", f"{hf}.mlp.shared_experts"),
+            *split_expert_transforms(titan, hf, args.moe.num_experts)]
+
+
+def transforms(args: DeepSeekV3Args) -> list[Transform]:
+    """Dense MLPs in the first first_k_dense_replace layers, mixtures of experts after them."""
+    def block(titan: str, hf: str, layer_id: int) -> list[Transform]:
+        if layer_id < args.first_k_dense_replace:
+            return [*attention_transforms(args, titan, hf), *swiglu_transforms(f"{titan}.feed_forward", f"{hf}.mlp")]
+        return [*attention_transforms(args, titan, hf), *moe_transforms(args, titan, hf)]
+    return decoder_transforms(args, block)
 
 
 def config_fields(args: DeepSeekV3Args) -> dict:
@@ -68,10 +90,6 @@ def unchecked_fields(args: DeepSeekV3Args) -> dict:
     return {"num_nextn_predict_layers": 0}
 
 
-def num_dense_layers(args: DeepSeekV3Args) -> int:
-    return args.first_k_dense_replace
-
-
 def hf_mapping(args: DeepSeekV3Args) -> HFMapping:
     """DeepseekV3ForCausalLM routes by sigmoid scores: a softmax-routed flavor (16B, DeepSeek-V2-Lite's routing) has
     no transformers class here."""
@@ -79,12 +97,8 @@ def hf_mapping(args: DeepSeekV3Args) -> HFMapping:
         raise ValueError(f"DeepseekV3ForCausalLM routes by sigmoid scores, and this DeepSeek-V3 flavor routes by "
                          f"{args.moe.score_func}: Titan has no Hugging Face class for it. Use a sigmoid-routed "
                          f"flavor (671B, debugmodel).")
-    query = QUERY_NAMES if args.q_lora_rank == 0 else LOW_RANK_QUERY_NAMES
-    attention = {**query, **ATTENTION_NAMES, **NORM_NAMES}
-    return HFMapping("DeepSeek-V3", "deepseek_v3", "DeepseekV3ForCausalLM", layer_names={**attention, **MOE_NAMES},
-                     rope_rows=(), config_fields=config_fields, expert_names=EXPERT_NAMES, hub_pads_vocab=True,
-                     unchecked_config_fields=unchecked_fields,
-                     dense_layer_names={**attention, **FEED_FORWARD_NAMES}, num_dense_layers=num_dense_layers,
+    return HFMapping("DeepSeek-V3", "deepseek_v3", "DeepseekV3ForCausalLM", transforms=transforms,
+                     config_fields=config_fields, hub_pads_vocab=True, unchecked_config_fields=unchecked_fields,
                      extra_layers="DeepSeek-V3's multi-token prediction modules, which DeepseekV3ForCausalLM skips",
                      not_exported={"mtp.": "the multi-token prediction modules train the model and are no part of "
                                            "DeepseekV3ForCausalLM"})

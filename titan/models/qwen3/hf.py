@@ -3,24 +3,40 @@ a mixture of experts (Titan's Qwen3 has no dense blocks between them); the QK-no
 are in RoPE's channel order."""
 
 from titan.models.common.hf_mapping import (
-    ATTENTION_NAMES,
-    EXPERT_NAMES,
-    FEED_FORWARD_NAMES,
-    NORM_NAMES,
-    ROPE_ROWS,
-    ROUTER_NAMES,
     HFMapping,
+    RopeRows,
+    Same,
+    Transform,
+    attention_transforms,
     decoder_config_fields,
+    decoder_transforms,
+    norm_transforms,
+    split_expert_transforms,
+    swiglu_transforms,
 )
 from titan.models.qwen3.args import Qwen3Args
 
-QK_NORM_NAMES = {
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
-# Qwen3's q_norm/k_norm scale each channel of a head before the rotation, so their head_dim weights move as wq's rows
-# (an RMS over a head doesn't depend on the channels' order).
-QWEN3_ROPE_ROWS = (*ROPE_ROWS, "attention.q_norm.weight", "attention.k_norm.weight")
+
+def qk_norm_transforms(titan: str, hf: str, head_dim: int) -> list[Transform]:
+    """Qwen3's q_norm/k_norm scale each channel of a head before the rotation, so their head_dim weights move as wq's
+    rows (an RMS over a head doesn't depend on the channels' order)."""
+    return [RopeRows(f"{titan}.attention.{norm}.weight", f"{hf}.self_attn.{norm}.weight", head_dim)
+            for norm in ("q_norm", "k_norm")]
+
+
+def dense_transforms(args: Qwen3Args) -> list[Transform]:
+    return decoder_transforms(args, lambda titan, hf, layer_id: [
+        *attention_transforms(titan, hf, args.head_dim), *qk_norm_transforms(titan, hf, args.head_dim),
+        *swiglu_transforms(f"{titan}.feed_forward", f"{hf}.mlp"), *norm_transforms(titan, hf)])
+
+
+def moe_transforms(args: Qwen3Args) -> list[Transform]:
+    """The router as mlp.gate, and each expert's weights apart. The routing bias (auxiliary-loss-free balancing) is
+    Titan's own: Qwen3MoeForCausalLM has none."""
+    return decoder_transforms(args, lambda titan, hf, layer_id: [
+        *attention_transforms(titan, hf, args.head_dim), *qk_norm_transforms(titan, hf, args.head_dim),
+        Same(f"{titan}.moe.router.gate.weight", f"{hf}.mlp.gate.weight"), *norm_transforms(titan, hf),
+        *split_expert_transforms(titan, hf, args.moe.num_experts)])
 
 
 def qwen3_fields(args: Qwen3Args) -> dict:
@@ -45,13 +61,10 @@ def moe_unchecked_fields(args: Qwen3Args) -> dict:
     return {"intermediate_size": args.hidden_dim}
 
 
-QWEN3_HF = HFMapping("Qwen3", "qwen3", "Qwen3ForCausalLM",
-                     layer_names={**ATTENTION_NAMES, **QK_NORM_NAMES, **FEED_FORWARD_NAMES, **NORM_NAMES},
-                     rope_rows=QWEN3_ROPE_ROWS, config_fields=dense_fields, hub_pads_vocab=True)
-QWEN3_MOE_HF = HFMapping("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM",
-                         layer_names={**ATTENTION_NAMES, **QK_NORM_NAMES, **ROUTER_NAMES, **NORM_NAMES},
-                         rope_rows=QWEN3_ROPE_ROWS, config_fields=moe_fields, expert_names=EXPERT_NAMES,
-                         hub_pads_vocab=True, unchecked_config_fields=moe_unchecked_fields)
+QWEN3_HF = HFMapping("Qwen3", "qwen3", "Qwen3ForCausalLM", transforms=dense_transforms, config_fields=dense_fields,
+                     hub_pads_vocab=True)
+QWEN3_MOE_HF = HFMapping("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", transforms=moe_transforms,
+                         config_fields=moe_fields, hub_pads_vocab=True, unchecked_config_fields=moe_unchecked_fields)
 
 
 def hf_mapping(args: Qwen3Args) -> HFMapping:
