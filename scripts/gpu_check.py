@@ -87,6 +87,7 @@ CUDA_ONLY_TESTS = [
     "tests/test_float8_casts.py::test_triton_kernels_match_torch_path_cuda",
     "tests/test_mx_numerics.py::test_triton_quantize_matches_torch_path_cuda",
     "tests/test_swiglu.py::test_triton_kernels_match_float64_cuda",
+    "tests/test_attention.py::test_flex_sinks_and_window_gradients_equal_the_sink_column_cuda",
     # Runs on GPUs before Blackwell (the H100 and H200), where it checks that native MX is refused.
     "tests/test_mx.py::test_mx_needs_blackwell_or_emulate",
     # CPU runs it too; on a GPU the meter times steps by CUDA events while the host runs ahead of the device.

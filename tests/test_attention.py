@@ -210,6 +210,30 @@ def test_sinks_equal_an_explicit_softmax_with_the_sink_column(backend: str) -> N
         torch.testing.assert_close(got_grads[3], want_grads[3], rtol=1e-5, atol=1e-4, msg="sinks")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch has no FlexAttention backward on CPU; the forward is checked on CPU above")
+def test_flex_sinks_and_window_gradients_equal_the_sink_column_cuda() -> None:
+    """The trainer's FlexAttention on a GPU (compiled, a block-sparse window over documents, sinks on its
+    log-sum-exp): output and the gradients of q, k, v and the sinks equal the explicit softmax with the sink column,
+    fp32 on both sides."""
+    starts = LONG_LAYOUTS["documents crossing blocks"]
+    tokens = packed_row(starts, LONG_SEQ).cuda()
+    _, document_ids = document_layout(tokens == EOS)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 4, LONG_SEQ, 16, device="cuda", generator=generator, requires_grad=True)
+    k, v = (torch.randn(1, 2, LONG_SEQ, 16, device="cuda", generator=generator, requires_grad=True)
+            for _ in range(2))
+    sinks = torch.randn(4, device="cuda", generator=generator, requires_grad=True)
+    mask = AttentionMask("flex", [BLOCK])(torch.empty(1, LONG_SEQ, 1, device="cuda"), document_ids)[BLOCK]
+    got = build_inner_attention("flex")(q, k, v, mask, out_transform=sink_transform(sinks))
+    want = attention_with_sink_column(q, k, v, build_dense_mask(document_ids, BLOCK), sinks)
+    upstream = torch.randn_like(want)
+    for name, got_tensor, want_tensor in zip(
+            ("output", "q", "k", "v", "sinks"), (got, *torch.autograd.grad((got * upstream).sum(), (q, k, v, sinks))),
+            (want, *torch.autograd.grad((want * upstream).sum(), (q, k, v, sinks)))):
+        torch.testing.assert_close(got_tensor, want_tensor, rtol=1e-4, atol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("layout", ["two documents", "many documents", "documents cut by both ends"])
 def test_flex_model_computes_the_sdpa_logits(layout: str) -> None:
     """A flex model (its BlockMask) computes the logits an SDPA model (its dense mask) does."""

@@ -91,6 +91,15 @@ DEEPSEEK_V3_LOW_PRECISION = [  # block 0 is dense; blocks 1 and 2 have experts
     "--float8.filter_fqns", "output", "attention", "feed_forward", "shared_experts", "--float8.moe_fqns_prototype",
     "layers.1.", "--mx.emulate", "--mx.filter_fqns", "output", "attention", "feed_forward", "shared_experts",
     "--mx.moe_fqns_prototype", "layers.2."]
+# GPT-OSS: alternating sliding-window (16 of the 64 tokens) and full attention with sinks and biases, a biased router
+# and biased experts (titan/models/gpt_oss). The experts in low precision as the MoE cases above, and the attention's
+# linears in float8 with the weight gradient in high precision (rowwise_with_gw_hp: every scale is per token or per
+# weight row, so no rank's share of the batch changes one).
+GPT_OSS = ["--model.name", "gpt_oss", "--model.flavor", "debugmodel"]
+GPT_OSS_LOW_PRECISION = [
+    *GPT_OSS, "--model.converters", "float8", "mx", "--float8.emulate", "--float8.recipe_name", "rowwise_with_gw_hp",
+    "--float8.filter_fqns", "output", "--float8.moe_fqns_prototype", "layers.0.", "layers.1.", "--mx.emulate",
+    "--mx.filter_fqns", "output", "attention", "--mx.moe_fqns_prototype", "layers.2.", "layers.3."]
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
@@ -233,6 +242,22 @@ LAYOUTS = {
     **layouts(4, "ref_deepseek_v3_low_precision",
               deepseek_v3_low_precision_ep2_fsdp2=["--training.local_batch_size", "1", *DEEPSEEK_V3_LOW_PRECISION,
                                                    *EP2]),
+    # GPT-OSS: context parallel's ring through windows (some key chunks wholly before a query chunk's window) with
+    # the sinks applied once after the ranks' softmaxes merge, under EP and selective AC; a pipeline of a sliding and
+    # a full block per stage, fully checkpointed; FSDP with compiled blocks (aot_eager, as the PP and CP cases
+    # above); and EP 2 x expert FSDP 2 with low-precision experts and attention.
+    **layouts(1, None, ref_gpt_oss=["--training.local_batch_size", "4", *GPT_OSS],
+              ref_gpt_oss_low_precision=["--training.local_batch_size", "4", *GPT_OSS_LOW_PRECISION]),
+    **layouts(2, "ref_gpt_oss",
+              gpt_oss_cp2_ep2_selective_ac=["--training.local_batch_size", "4", *GPT_OSS, *CP2, *EP2,
+                                            "--parallelism.context_parallel_rotate_method", "alltoall",
+                                            "--activation_checkpoint.mode", "selective"],
+              gpt_oss_pp2_full_ac=["--training.local_batch_size", "4", *GPT_OSS, *PP2,
+                                   "--activation_checkpoint.mode", "full"],
+              gpt_oss_fsdp2_compiled=["--training.local_batch_size", "2", *GPT_OSS, *FSDP2, "--training.compile",
+                                      *AOT_EAGER]),
+    **layouts(4, "ref_gpt_oss_low_precision",
+              gpt_oss_low_precision_ep2_fsdp2=["--training.local_batch_size", "1", *GPT_OSS_LOW_PRECISION, *EP2]),
     **layouts(4, fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2],
               pp2_fsdp2=["--training.local_batch_size", "2", *PP2, *FSDP2],
               pp2_tp2=["--training.local_batch_size", "4", *PP2, *TP2],
@@ -361,6 +386,14 @@ def test_deepseek_v3_layouts_match_one_process(runs: CaseResults, case: str) -> 
         got, ref = ([record["mtp_loss"] for record in runs[name]["metrics"] if "mtp_loss" in record]
                     for name in (case, LAYOUTS[case].reference))
         assert got and got == pytest.approx(ref, rel=1e-5)
+
+
+@pytest.mark.parametrize("case", ["gpt_oss_cp2_ep2_selective_ac", "gpt_oss_pp2_full_ac", "gpt_oss_fsdp2_compiled"])
+def test_gpt_oss_layouts_match_one_process(runs: CaseResults, case: str) -> None:
+    """Windows, sinks and biased experts under each layout: context parallel's ring (its window masks and the sinks
+    after the merge), the pipeline's stages (each block's own mask and its sinks' gradients), FSDP with compiled
+    blocks."""
+    assert_same_run(runs, case, loss_falls=False)
 
 
 @pytest.mark.parametrize("case", ["fsdp2_tp2"])
@@ -677,7 +710,8 @@ def test_bf16_optimizer_state_keeps_tp_replicated_parameters_identical(runs: Cas
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe_low_precision_ep2", "qwen3_moe_low_precision_ep2_fsdp2",
-                                  "deepseek_v3_low_precision_ep2", "deepseek_v3_low_precision_ep2_fsdp2"])
+                                  "deepseek_v3_low_precision_ep2", "deepseek_v3_low_precision_ep2_fsdp2",
+                                  "gpt_oss_low_precision_ep2_fsdp2"])
 def test_experts_in_low_precision_match_one_process(runs: CaseResults, case: str) -> None:
     """Each rank quantizes the tokens its experts receive from every EP rank, which are one process's tokens of
     those experts in the same order, so each expert's scales and products are one process's: the losses agree to

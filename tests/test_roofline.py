@@ -120,6 +120,15 @@ def test_overlap_and_bubble() -> None:
     tp = estimate_step(ops, [_gather_taking(0.2, "tp"), _gather_taking(0.1, "cp")], bubble_fraction=0.0, **args)
     assert tp.exposed_comm_s == pytest.approx({"tp": 0.2, "cp": 0.1})
     assert tp.step_s == pytest.approx(1.3)
+    # Expert parallel's all-to-all blocks the experts' next matmul, also where its group is dp_shard's (EP 8 on 8
+    # ranks): the dim's FSDP all-gather stays hidden, its all-to-all does not.
+    exchange = Collective("dp_shard", "all_to_all", round(0.3 * 2 * 450e9), (0, 1))
+    ep = estimate_step(ops, [_gather_taking(0.6, "dp_shard"), exchange], bubble_fraction=0.0, **args)
+    assert ep.comm_s["dp_shard"] == pytest.approx(0.9) and ep.exposed_comm_s["dp_shard"] == pytest.approx(0.3)
+    assert ep.step_s == pytest.approx(1.3)
+    # The experts' FSDP all-gathers are prefetched as the blocks' are.
+    experts = estimate_step(ops, [_gather_taking(0.6, "efsdp")], bubble_fraction=0.0, **args)
+    assert experts.exposed_comm_s["efsdp"] == 0.0
     bubble = estimate_step(ops, [], bubble_fraction=0.2, **args)
     assert bubble.bubble_s == pytest.approx(0.25)
     assert bubble.step_s == pytest.approx(1.25)

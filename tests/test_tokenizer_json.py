@@ -12,9 +12,11 @@ import shutil
 import unicodedata
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import regex
+from tiktoken_ext import openai_public
 from transformers import AutoTokenizer
 
 import tokenizers
@@ -101,22 +103,50 @@ DEEPSEEK_V3_CONFIG = {"add_bos_token": True, "add_eos_token": False, "bos_token"
                       "eos_token": DEEPSEEK_SPECIAL[1], "tokenizer_class": "LlamaTokenizerFast"}
 
 
-def write_deepseek_style(folder: Path) -> Path:
-    """DeepSeek-V3's layout: three isolating Splits then a ByteLevel that only maps bytes, no normalizer, BOS and EOS
-    from tokenizer_config.json."""
+def write_split_style(folder: Path, splits: list[str], special: list[str], config: dict[str, Any]) -> Path:
+    """A tokenizer.json of isolating Splits on `splits` then a ByteLevel that only maps bytes, no normalizer, a
+    ByteLevel post-processor (no template), the `special` tokens after the BPE ids, and `config` as its
+    tokenizer_config.json."""
     tokenizer = tokenizers.Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in DEEPSEEK_V3_SPLITS),
+        *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in splits),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
     train_byte_level_bpe(tokenizer, 1500)
-    tokenizer.add_special_tokens(DEEPSEEK_SPECIAL)
+    tokenizer.add_special_tokens(special)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "tokenizer.json").write_text(tokenizer.to_str())
-    (folder / "tokenizer_config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder / "tokenizer.json"
+
+
+def write_deepseek_style(folder: Path) -> Path:
+    """DeepSeek-V3's layout: three isolating Splits, BOS and EOS from tokenizer_config.json."""
+    return write_split_style(folder, DEEPSEEK_V3_SPLITS, DEEPSEEK_SPECIAL, DEEPSEEK_V3_CONFIG)
+
+
+def o200k_split_pattern() -> str:
+    """o200k's split regex, read from tiktoken's own definition of the encoding (tiktoken_ext/openai_public.py),
+    its 200k ranks not downloaded."""
+    with mock.patch.object(openai_public, "load_tiktoken_bpe", return_value={}):
+        return openai_public.o200k_base()["pat_str"]
+
+
+# o200k_harmony's special tokens (GPT-OSS's release, ids 199998 and up there), some of its reserved ones among them,
+# and its tokenizer_config.json: a BOS it names but never adds, and a chat turn's end as eos_token.
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>",
+                   "<|constrain|>", "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>",
+                   "<|call|>"]
+HARMONY_CONFIG = {"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def write_harmony_style(folder: Path) -> Path:
+    """GPT-OSS's o200k_harmony layout: o200k's regex as one isolating Split, no template (so no BOS), its special
+    tokens after the BPE ids."""
+    return write_split_style(folder, [o200k_split_pattern()], HARMONY_SPECIAL, HARMONY_CONFIG)
 
 
 def write_gpt2_style(folder: Path) -> Path:
@@ -150,6 +180,11 @@ def deepseek_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_deepseek_style(tmp_path_factory.mktemp("deepseek"))
 
 
+@pytest.fixture(scope="module")
+def harmony_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_harmony_style(tmp_path_factory.mktemp("harmony"))
+
+
 def backend(path: Path) -> tokenizers.Tokenizer:
     """The `tokenizers` library on the file, encoding special-token strings in text as text, as Titan does."""
     reference = tokenizers.Tokenizer.from_file(str(path))
@@ -169,7 +204,7 @@ def edited(path: Path, folder: Path, edit) -> Path:
 # Ids
 
 
-@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek", "harmony"])
 @pytest.mark.parametrize("name", TEXTS)
 def test_ids_match_tokenizers(style: str, name: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(f"{style}_path")
@@ -177,7 +212,7 @@ def test_ids_match_tokenizers(style: str, name: str, request: pytest.FixtureRequ
     assert titan.encode(TEXTS[name], bos=False, eos=False) == backend(path).encode(TEXTS[name]).ids
 
 
-@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek", "harmony"])
 def test_ids_match_tokenizers_on_corpus(style: str, request: pytest.FixtureRequest) -> None:
     """Documents the BPE was not trained on (the trained-on ones end the corpus)."""
     path = request.getfixturevalue(f"{style}_path")
@@ -208,6 +243,21 @@ def test_deepseek_splits_digits_in_threes_and_cjk_apart(deepseek_path: Path) -> 
                                             titan.special_tokens[DEEPSEEK_SPECIAL[1]])
 
 
+def test_harmony_splits_as_o200k_and_adds_no_bos(harmony_path: Path, titan_records: list[logging.LogRecord]) -> None:
+    """GPT-OSS's tokenizer.json read through Titan's reader: o200k's split (digits in threes, a letter run with its
+    leading punctuation, a capitalised run apart from the next), no BOS although tokenizer_config.json names one, as
+    transformers' own tokenizer of the file adds none, and <|endoftext|> as the documents' EOS, not the config's
+    <|return|> (a chat turn's end)."""
+    titan = build_tokenizer(str(harmony_path))
+    assert titan.hf_json.split_pattern == o200k_split_pattern() and not titan.hf_json.isolating_splits
+    assert regex.findall(titan.hf_json.split_pattern, "1234567.HelloWORLD's") == ["123", "456", "7", ".Hello",
+                                                                                  "WORLD's"]
+    hf = AutoTokenizer.from_pretrained(harmony_path.parent)
+    assert hf("hi")["input_ids"] == titan.encode("hi", bos=True, eos=False)
+    assert titan.bos_id is None and titan.eos_id == titan.special_tokens["<|endoftext|>"]
+    assert any("a chat turn's end" in record.getMessage() for record in titan_records)
+
+
 def test_nfc_before_encoding(qwen_path: Path, gpt2_path: Path) -> None:
     decomposed, composed = "Cafe\u0301 A\u030a", "Café Å"
     qwen = build_tokenizer(str(qwen_path))
@@ -223,7 +273,7 @@ OFFSET_PIECES = ["a", "e", "x", " ", "  ", "\n", "\t", "\u00a0", "\u3000", "\u03
                  *QWEN_SPECIAL[1:3]]
 
 
-@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek"])
+@pytest.mark.parametrize("style", ["qwen", "gpt2", "deepseek", "harmony"])
 def test_rendered_offsets_match_tokenizers(style: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """encode_rendered's ids and (start, end) characters are the `tokenizers` library's (which transformers'
     assistant mask reads): NFC's alignments (Qwen's normalizer; `e` + U+0301 is the `e` alone), trim_offsets (the
@@ -279,11 +329,14 @@ def test_gpt2_endoftext_is_special_not_mergeable(gpt2_path: Path) -> None:
     (QWEN3_BASE_CONFIG, None, "<|endoftext|>"),
     ({"bos_token": None, "eos_token": "<|im_end|>", "chat_template": "<|im_start|>...<|im_end|>"}, None,
      "<|endoftext|>"),
-    ({"bos_token": {"__type": "AddedToken", "content": "<|im_start|>"}, "eos_token": {"content": "<|endoftext|>"}},
-     "<|im_start|>", "<|endoftext|>"),
+    ({"bos_token": {"__type": "AddedToken", "content": "<|im_start|>"}, "eos_token": {"content": "<|endoftext|>"},
+      "add_bos_token": True}, "<|im_start|>", "<|endoftext|>"),
+    # Named, but neither added by the file's template (it has none) nor by add_bos_token: transformers adds none.
+    ({"bos_token": "<|im_start|>", "eos_token": "<|endoftext|>"}, None, "<|endoftext|>"),
     ({"bos_token": "<|im_start|>", "add_bos_token": False, "eos_token": "<|endoftext|>"}, None, "<|endoftext|>"),
     ({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}, None, "<|endoftext|>"),
-], ids=["no-config", "qwen3-base", "qwen3-instruct", "dict-tokens", "add-bos-false", "bos-is-eos"])
+], ids=["no-config", "qwen3-base", "qwen3-instruct", "dict-tokens", "named-not-added", "add-bos-false",
+        "bos-is-eos"])
 def test_bos_and_eos_from_tokenizer_config(qwen_path: Path, tmp_path: Path, config: dict[str, Any] | None,
                                            bos: str | None, eos: str, titan_records: list[logging.LogRecord]) -> None:
     shutil.copy(qwen_path, tmp_path / "tokenizer.json")

@@ -18,16 +18,19 @@ def build_model(args: DecoderArgs, seed: int = 0) -> nn.Module:
 
 
 def build_for_comparison(args: DecoderArgs, seed: int, routing_bias: bool = False) -> nn.Module:
-    """build_model, then every norm weight drawn around 1 and every router weight wider, in eval mode; with
-    `routing_bias`, each mixture of experts' routing bias (expert_bias) drawn nonzero too. Init's norms of exactly 1
-    would hide a norm weight in the wrong place or channel order, a zero bias a misplaced one, and a router near 0
-    gives top-k choices that a rounding difference between two implementations could flip."""
+    """build_model, then every norm weight drawn around 1, every router weight wider, and the projections' biases and
+    attention sinks (where a family has them) nonzero, in eval mode; with `routing_bias`, each mixture of experts'
+    routing bias (expert_bias) drawn nonzero too. Init's norms of exactly 1 would hide a norm weight in the wrong
+    place or channel order, a zero bias a misplaced one, and a router near 0 gives top-k choices that a rounding
+    difference between two implementations could flip."""
     model = build_model(args, seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.3)
             elif "router" in name:
+                param.normal_(0.0, 0.5)
+            elif name.endswith(("bias", "sinks")):
                 param.normal_(0.0, 0.5)
         if routing_bias:
             for name, buffer in model.named_buffers():

@@ -123,7 +123,7 @@ def read_tokenizer_json(resolved: Path, content: bytes, given: str) -> tuple[dic
     config_path = resolved.parent / TOKENIZER_CONFIG_FILE
     if config_path.is_file():
         config, files[TOKENIZER_CONFIG_FILE] = read_tokenizer_config(config_path, given)
-    bos_id, eos_id = read_bos_eos(config, special_tokens, given)
+    bos_id, eos_id = read_bos_eos(config, special_tokens, given, template_bos(tokenizer.get("post_processor")))
     return ranks, TokenizerJson(special_tokens, split_pattern, nfc, bos_id, eos_id, files, tuple(isolating_splits),
                                 stripping_tokens, read_trim_offsets(tokenizer.get("post_processor")))
 
@@ -260,12 +260,29 @@ def token_content(value: Any) -> str | None:
     return value.get("content") if isinstance(value, dict) else value
 
 
-def read_bos_eos(config: dict[str, Any], special_tokens: dict[str, int], given: str) -> tuple[int | None, int]:
-    """BOS: tokenizer_config.json's bos_token, unless it sets add_bos_token false or it is also the EOS (a second
-    separator between documents); none without a config. EOS: the file's end-of-text token when it has one, else
-    the config's eos_token. A pretraining document ends at end of text; the instruct models' configs name their
-    chat turn's end instead (Qwen3's <|im_end|>, Llama 3's <|eot_id|>), which is where chat generation stops, not
-    what separates the documents these models were pretrained on."""
+def template_bos(post_processor: dict[str, Any] | None) -> str | None:
+    """The special token a TemplateProcessing post-processor (alone or in a Sequence: Llama 3's) puts before a single
+    text, which is how a tokenizer.json adds its BOS; None if it adds none."""
+    steps = [] if post_processor is None else (post_processor.get("processors", []) if post_processor.get("type") ==
+                                               "Sequence" else [post_processor])
+    for step in steps:
+        if step.get("type") == "TemplateProcessing" and step.get("single"):
+            first = step["single"][0]
+            if isinstance(first, dict) and "SpecialToken" in first:
+                return first["SpecialToken"].get("id")
+    return None
+
+
+def read_bos_eos(config: dict[str, Any], special_tokens: dict[str, int], given: str,
+                 template_bos_name: str | None) -> tuple[int | None, int]:
+    """BOS: tokenizer_config.json's bos_token where the tokenizer adds it, as transformers does: the config sets
+    add_bos_token true (DeepSeek-V3's), or leaves it out and the tokenizer.json's template puts that token first
+    (Llama 3's, `template_bos_name`); not where the config only names it (GPT-OSS's <|startoftext|>, which its
+    tokenizer never adds), nor where it is also the EOS (a second separator between documents); none without a
+    config. EOS: the file's end-of-text token when it has one, else the config's eos_token. A pretraining document
+    ends at end of text; the instruct models' configs name their chat turn's end instead (Qwen3's <|im_end|>, Llama
+    3's <|eot_id|>, GPT-OSS's <|return|>), which is where chat generation stops, not what separates the documents
+    these models were pretrained on."""
     def lookup(field: str, name: str) -> int:
         if name not in special_tokens:
             raise ConfigError(f"{TOKENIZER_CONFIG_FILE} beside --model.tokenizer_path {given!r} names {field} "
@@ -285,6 +302,8 @@ def read_bos_eos(config: dict[str, Any], special_tokens: dict[str, int], given: 
         logger.info(f"Tokenizer: EOS is {eos_name} ({eos_id}), the end of a pretraining document, not "
                     f"{TOKENIZER_CONFIG_FILE}'s eos_token {configured_eos} (a chat turn's end)")
     bos_name = token_content(config.get("bos_token"))
-    if bos_name is None or config.get("add_bos_token") is False or bos_name == eos_name:
+    if bos_name is None:
         return None, eos_id
-    return lookup("bos_token", bos_name), eos_id
+    bos_id = lookup("bos_token", bos_name)  # a name the tokenizer lacks is a broken config, added or not
+    added = config["add_bos_token"] if "add_bos_token" in config else bos_name == template_bos_name
+    return (bos_id if added and bos_name != eos_name else None), eos_id

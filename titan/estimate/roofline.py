@@ -13,10 +13,13 @@ This is an estimate for ranking parallel layouts, not a promise of measured numb
   and send bytes / B; a send/recv pair is counted once, on the send (recv takes 0); barrier takes 0. B is the
   intra-node (NVLink) bandwidth when all ranks of the group share a node, else the inter-node bandwidth, the slowest
   link of a ring that crosses nodes. There is no latency term, so small messages are under-estimated.
-- Overlap: FSDP/HSDP collectives (every dim whose name starts with "dp", and "fsdp") and pipeline send/recv ("pp")
+- Overlap: FSDP/HSDP collectives (every dim whose name starts with "dp", "fsdp", and the experts' own FSDP "efsdp",
+  whose units FSDP2 prefetches as it does the blocks') and pipeline send/recv ("pp")
   run on their own streams behind compute: together they are exposed only by max(0, their sum - compute_s), which is
   shared among their dims in proportion to their comm time. TP and CP collectives sit on the critical path (the
-  next matmul needs their output), and so do "loss" and any other dim: fully exposed.
+  next matmul needs their output), and so do "loss" and any other dim: fully exposed. So does every all-to-all,
+  whatever dim it is labelled with: expert parallel's token exchange feeds the experts' next matmul, and where EP's
+  ranks are all of dp_shard's the group (and its label) is dp_shard's.
 - Pipeline bubble: a rank idles a share f of the step (titan/parallel/stages.py ideal_bubble_fraction), so
   bubble_s = compute_s * f / (1 - f).
 - step_s = compute_s + bubble_s + sum(exposed comm); tokens/s and MFU follow titan/metrics/throughput.py.
@@ -164,9 +167,11 @@ def collective_seconds(collective: Collective, gpu: GPUSpec, network: Network) -
     return _RING_FACTOR[collective.kind](n) * collective.bytes / bandwidth
 
 
-def _overlaps_compute(dim: str) -> bool:
-    """FSDP/HSDP and pipeline traffic runs on side streams behind compute; TP, CP and the rest block the next op."""
-    return dim.startswith("dp") or dim in ("fsdp", "pp")
+def _overlaps_compute(collective: Collective) -> bool:
+    """FSDP/HSDP and pipeline traffic runs on side streams behind compute; TP, CP, all-to-alls and the rest block the
+    next op."""
+    return collective.kind != "all_to_all" and (collective.dim.startswith("dp")
+                                                or collective.dim in ("fsdp", "efsdp", "pp"))
 
 
 @dataclass(frozen=True)
@@ -186,13 +191,16 @@ class StepEstimate:
     """Model FLOPs (6N + attention, as given) per second over the GPU's dense bf16 peak."""
 
 
-def _exposed(comm_s: dict[str, float], compute_s: float) -> dict[str, float]:
-    """Overlapped dims share max(0, their sum - compute_s) by their comm time; the others are fully exposed."""
-    hidden = {dim: t for dim, t in comm_s.items() if _overlaps_compute(dim)}
-    hidden_total = sum(hidden.values())
+def _exposed(timed: list[tuple[Collective, float]], compute_s: float) -> dict[str, float]:
+    """Each dim's exposed seconds: the collectives that overlap compute share max(0, their sum - compute_s) by their
+    comm time; the others are fully exposed."""
+    hidden_total = sum(t for collective, t in timed if _overlaps_compute(collective))
     excess = max(0.0, hidden_total - compute_s)
-    return {dim: (t * excess / hidden_total if hidden_total > 0 else 0.0) if dim in hidden else t
-            for dim, t in comm_s.items()}
+    exposed: dict[str, float] = defaultdict(float)
+    for collective, t in timed:
+        exposed[collective.dim] += (t * excess / hidden_total if hidden_total > 0 else 0.0) \
+            if _overlaps_compute(collective) else t
+    return dict(exposed)
 
 
 def estimate_step(ops: Iterable[OpCost], collectives: Iterable[Collective], gpu: GPUSpec, network: Network,
@@ -205,10 +213,11 @@ def estimate_step(ops: Iterable[OpCost], collectives: Iterable[Collective], gpu:
     if compute_s == 0.0:
         raise ValueError("estimate_step got no op with FLOPs or bytes. Record the step's aten ops before estimating.")
     bubble_s = compute_s * bubble_fraction / (1.0 - bubble_fraction)
+    timed = [(collective, collective_seconds(collective, gpu, network)) for collective in collectives]
     comm_s: dict[str, float] = defaultdict(float)
-    for collective in collectives:
-        comm_s[collective.dim] += collective_seconds(collective, gpu, network)
-    exposed = _exposed(dict(comm_s), compute_s)
+    for collective, t in timed:
+        comm_s[collective.dim] += t
+    exposed = _exposed(timed, compute_s)
     step_s = compute_s + bubble_s + sum(exposed.values())
     tokens_per_s = tokens_per_gpu / step_s
     mfu_pct = mfu_percent(model_flops_per_token, tokens_per_s, gpu.peak_bf16_flops)

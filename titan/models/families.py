@@ -7,10 +7,11 @@ from torch import nn
 from titan.models.common.args import DecoderArgs
 from titan.models.common.family import ModelFamily
 from titan.models.deepseek_v3.family import DEEPSEEK_V3
+from titan.models.gpt_oss.family import GPT_OSS
 from titan.models.llama.family import LLAMA3
 from titan.models.qwen3.family import QWEN3
 
-FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3, QWEN3, DEEPSEEK_V3)}
+FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA3, QWEN3, DEEPSEEK_V3, GPT_OSS)}
 
 
 def family_of(args: DecoderArgs) -> ModelFamily:

@@ -7,7 +7,8 @@ labels, rotary positions and document ids are sharded alike with `shard_batch`, 
 tokens.
 
 `apply_cp` changes the model in place, as TP and FSDP do: each block's attention kernel is replaced by a
-ContextParallelAttention module, and the model's attention mask by DocumentIds (the whole sequence's document ids).
+ContextParallelAttention module, and the model's attention mask by SequenceMasks (the whole sequence's document ids,
+with each block's sliding window).
 Attention: for causal attention on CUDA, torch's ring attention, by torch's own module style (`_ContextParallel`:
 q/k/v become sequence-sharded DTensors, and its dispatcher sends their SDPA to the ring), which covers only the CUDA
 SDPA kernels (flash, efficient, cudnn) and no document mask. Elsewhere (CPU, and block-causal attention), the same two

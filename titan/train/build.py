@@ -109,12 +109,13 @@ def attention_kernel(model_cfg: Model, dims: ParallelDims, mode: BuildMode) -> t
     attn_backend, block_causal = model_cfg.attn_backend, model_cfg.attn_mask_type == "block_causal"
     if mode.flex_as_causal_sdpa and attn_backend == "flex":
         # A FlexAttention block mask is built from the batch's values, which fake tensors have none of. Causal flash
-        # SDPA stands in: the same memory (outputs and log-sum-exps) and the causal half of the attention work, which
-        # bounds FlexAttention's block-causal work from above (it skips every masked block). Under context parallel
-        # the model's kernel is replaced by the context-parallel attention, block-causal as on the GPU.
-        attn_backend, block_causal = "sdpa", block_causal and dims.cp_enabled
+        # attention stands in (CausalFlashStandIn): the same memory (outputs and log-sum-exps) and the causal half of
+        # the attention work, which bounds FlexAttention's block-causal and windowed work from above (it skips every
+        # masked block). Under context parallel the model's kernel is replaced by the context-parallel attention,
+        # block-causal as on the GPU.
+        attn_backend, block_causal = "causal_flash", block_causal and dims.cp_enabled
         logger.info("Dry run: FlexAttention is simulated by causal flash attention (same memory; its causal half of "
-                    "the attention FLOPs bounds block-causal work from above).")
+                    "the attention FLOPs bounds block-causal and sliding-window work from above).")
     return attn_backend, block_causal
 
 

@@ -36,7 +36,8 @@ def build_optimizer(model: nn.Module, cfg: Optimizer, compile_update: bool = Tru
 
 def parameter_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
     """The trainable parameters grouped by weight decay and learning-rate multiplier, in the order of their first
-    parameter. Weight matrices decay; 1-D parameters (norms, biases) only with --optimizer.decay_norm_and_bias and
+    parameter. Weight matrices decay; 1-D parameters (norms, biases, attention sinks) and stacked experts' biases
+    (`w1_bias`: one row per expert) only with --optimizer.decay_norm_and_bias and
     nn.Embedding weights only with --optimizer.decay_embeddings. Each group records its `lr_multiplier`, which the
     LR schedule's base rate for the group includes. Logs one line per group."""
     embeddings = {id(param) for module in model.modules() if isinstance(module, nn.Embedding)
@@ -47,7 +48,10 @@ def parameter_groups(model: nn.Module, cfg: Optimizer) -> list[dict[str, Any]]:
     for fqn, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        kind = "embeddings" if id(param) in embeddings else "norms and biases" if param.ndim < 2 else "matrices"
+        if id(param) in embeddings:
+            kind = "embeddings"
+        else:
+            kind = "norms and biases" if param.ndim < 2 or fqn.endswith("bias") else "matrices"
         weight_decay = cfg.weight_decay if decays[kind] else 0.0
         # Matched against the model's own FQN, which validation checks the substrings against.
         multiplier = next((factor for substring, factor in multipliers if substring in model_fqn(fqn)), 1.0)

@@ -5,7 +5,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-AttnBackend = Literal["sdpa", "flex"]
+AttnBackend = Literal["sdpa", "flex", "causal_flash"]
+"""The attention kernel a model builds: SDPA, FlexAttention, or the dry run's stand-in for FlexAttention on its fake
+GPU tensors, causal flash attention in every block (titan/models/common/attention.py CausalFlashStandIn)."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,8 @@ class DecoderArgs:
     depth_init: bool = True
     """Output projections of layer i get std 0.02/sqrt(2*(i+1)); False: 0.02/sqrt(2*n_layers) for all."""
     attn_backend: AttnBackend = "sdpa"
-    """Attention kernel: sdpa (causal only) or flex (FlexAttention, causal or block-causal)."""
+    """Attention kernel: sdpa (a dense mask for documents and windows) or flex (FlexAttention, block-sparse), or the
+    dry run's causal_flash."""
     loss_chunk_size: int = 1024
     """Tokens per chunk of the output layer and loss (OutputLoss); 0: the whole batch at once."""
     tie_embeddings: bool = False

@@ -210,6 +210,8 @@ class AttentionMask(nn.Module):
 
     def build(self, h: Tensor, document_ids: Tensor | None, window: int | None) -> Mask:
         seq = h.size(1)
+        if self.backend == "causal_flash":
+            return None
         if self.backend == "flex":
             return build_block_mask(document_ids, seq, h.device, window)
         if document_ids is not None:
@@ -217,9 +219,27 @@ class AttentionMask(nn.Module):
         return None if window is None else causal_window(seq, window, h.device)[None, None]
 
 
+class CausalFlashStandIn(SDPAAttention):
+    """The dry run's stand-in for FlexAttention on its simulated GPU (attn_backend causal_flash), where a BlockMask
+    cannot be built (its blocks come from the batch's values, which fake tensors have none of): causal flash attention
+    in every block, which has FlexAttention's memory (outputs and log-sum-exps) and bounds its work from above
+    (FlexAttention skips the blocks that documents and windows leave out). An epilogue gets the flash kernel's
+    log-sum-exp, which carries no gradient: the dry run prices the step, it does not train."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: None,
+                out_transform: OutTransform | None = None) -> Tensor:
+        assert q.device.type == "cuda", "causal_flash stands in for FlexAttention on the dry run's simulated GPU only"
+        if out_transform is None:
+            return super().forward(q, k, v, None)
+        n_rep = q.size(1) // k.size(1)  # a ratio of local counts: sharding heads divides both by the same degree
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, expand_kv_heads(k, n_rep), expand_kv_heads(v, n_rep), is_causal=True)[:2]
+        return out_transform(out, lse)
+
+
 def build_inner_attention(backend: AttnBackend) -> nn.Module:
     """The attention kernel module of `backend`, for each block's `attention.inner_attention`."""
-    return SDPAAttention() if backend == "sdpa" else FlexAttention()
+    return {"sdpa": SDPAAttention, "flex": FlexAttention, "causal_flash": CausalFlashStandIn}[backend]()
 
 
 class Attention(nn.Module):

@@ -45,11 +45,14 @@ def init_output(weight: Tensor, dim: int) -> None:
 
 def init_projections(inputs: list[nn.Linear], outputs: list[nn.Linear], output_std: float) -> None:
     """The input projections at std 0.02, then the projections into the residual stream (and w3, as torchtitan
-    has it) at output_std, in the order given."""
+    has it) at output_std, in the order given; biases, where a family has them, at 0 (no draw)."""
     for linear in inputs:
         nn.init.trunc_normal_(linear.weight, mean=0.0, std=INPUT_PROJECTION_STD)
     for linear in outputs:
         nn.init.trunc_normal_(linear.weight, mean=0.0, std=output_std)
+    for linear in inputs + outputs:
+        if linear.bias is not None:
+            nn.init.zeros_(linear.bias)
 
 
 def init_feed_forward(feed_forward: nn.Module, output_std: float) -> None:
@@ -59,11 +62,18 @@ def init_feed_forward(feed_forward: nn.Module, output_std: float) -> None:
 
 def init_moe(moe: nn.Module, output_std: float) -> None:
     """A mixture of experts (titan/models/common/moe.py MoE): the router and each expert's w1 at std 0.02, w2 and w3
-    at output_std (as a dense feed-forward's), shared experts likewise, the routing bias and token counts to 0."""
+    at output_std (as a dense feed-forward's), shared experts likewise; the router's and experts' biases (where a
+    family has them), the routing bias and the token counts to 0."""
     nn.init.trunc_normal_(moe.router.gate.weight, mean=0.0, std=INPUT_PROJECTION_STD)
     nn.init.trunc_normal_(moe.experts.w1, mean=0.0, std=INPUT_PROJECTION_STD)
     for weight in (moe.experts.w2, moe.experts.w3):
         nn.init.trunc_normal_(weight, mean=0.0, std=output_std)
+    if moe.router.gate.bias is not None:
+        nn.init.zeros_(moe.router.gate.bias)
+    for name in moe.experts.weight_names:
+        bias = getattr(moe.experts, f"{name}_bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
     if moe.shared_experts is not None:
         init_feed_forward(moe.shared_experts, output_std)
     moe.tokens_per_expert.zero_()

@@ -210,7 +210,9 @@ class Router(nn.Module):
     """Token-choice top-k routing over the experts' scores, a softmax over their logits or each one's sigmoid; each
     token goes to its top_k experts, weighted by their scores (renormalised over the k when norm_topk_prob) times
     routed_scaling_factor. The choice, not the weights, reads the scores plus a per-expert bias where there is one
-    (DeepSeek-V3, arXiv:2408.15664), and with n_group > 1 only the experts of the token's topk_group best groups."""
+    (DeepSeek-V3, arXiv:2408.15664), and with n_group > 1 only the experts of the token's topk_group best groups.
+    With topk_softmax (GPT-OSS) the choice reads the logits themselves, as transformers' GptOssTopKRouter does (the
+    same order as their softmax's, without its rounding ties), and the weights are the softmax of the top_k logits."""
 
     def __init__(self, dim: int, moe: MoEArgs) -> None:
         super().__init__()
@@ -230,7 +232,9 @@ class Router(nn.Module):
         num_experts) fp32: the scores as a distribution over the experts, for the load-balancing loss)."""
         logits = self.gate(x).float()
         scores = logits.sigmoid() if self.score_func == "sigmoid" else F.softmax(logits, dim=-1)
-        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        choice = logits if self.score_func == "topk_softmax" else scores
+        if self.expert_bias is not None:
+            choice = choice + self.expert_bias
         if self.n_group > 1:
             choice = limit_to_groups(choice, self.n_group, self.topk_group)
         experts = choice.topk(self.top_k, dim=-1).indices
