@@ -1,7 +1,8 @@
 """What the Hugging Face interop tests of every family share: the shipped tokenizer and its odd vocabulary, the
 Llama debug model's args and folder shards, loading an exported folder in transformers and drawing its weights for a
-comparison, both models' next-token gradients, reading a folder's safetensors files whole and comparing them, Llama's HF layout written out from hf.py's
-docstring, a DCP step folder on one process, and the scripts started side by side."""
+comparison, both models' next-token gradients, reading a folder's safetensors files whole and comparing them,
+Llama's HF layout written out from hf.py's docstring, a DCP step folder on one process, and the scripts started side
+by side."""
 
 import dataclasses
 import os
