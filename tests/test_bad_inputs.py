@@ -131,6 +131,8 @@ CASES: dict[str, Case] = {
                                           "--optimizer.lr_multipliers 'embedding.tok=2' matches no parameter"),
     "lr_multiplier_renamed_layer": Case(["--optimizer.lr_multipliers", "lm_head=0.5"],
                                         "--optimizer.lr_multipliers 'lm_head=0.5' matches no parameter"),
+    "muon_adamw_fqns_typo": Case(["--optimizer.name", "Muon", "--optimizer.adamw_fqns", "attention.wz"],
+                                 "--optimizer.adamw_fqns 'attention.wz' matches no parameter"),
     # [lr_scheduler]
     "warmup_negative": flag("lr_scheduler.warmup_steps", "-1"),
     "warmup_fractional": flag("lr_scheduler.warmup_steps", "1.5"),
@@ -332,6 +334,7 @@ PATTERN_FIELDS = {"float8.filter_fqns": "float8_filter_typo", "mx.filter_fqns": 
                   "nvfp4.filter_fqns": "nvfp4_filter_typo", "float8.moe_fqns_prototype": "float8_experts_typo",
                   "mx.moe_fqns_prototype": "mx_experts_typo",
                   "optimizer.lr_multipliers": "lr_multiplier_matches_nothing",
+                  "optimizer.adamw_fqns": "muon_adamw_fqns_typo",
                   "checkpoint.exclude_from_loading": "exclude_unknown_part"}
 
 

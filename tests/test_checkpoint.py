@@ -53,6 +53,10 @@ STRAIGHT_RUNS = {
     # global batch of 4 of one process.
     "deepseek-v3-ep2": (2, DEEPSEEK_V3, ["--parallelism.expert_parallel_degree", "2",
                                          "--training.local_batch_size", "2"]),
+    # Muon's momentum, sharded as its matrices (its Newton-Schulz gathers them whole on their owners each step): 2
+    # sequences per rank, one process's global batch of 4.
+    "muon-fsdp2": (2, ["--optimizer.name", "Muon"], ["--parallelism.data_parallel_shard_degree", "2",
+                                                     "--training.local_batch_size", "2"]),
     "pp2": (2, [], ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_split_points",
                     "layers.2"]),
     "cp2": (2, [], ["--parallelism.context_parallel_degree", "2"]),
@@ -131,7 +135,7 @@ def copy_middle_step(straight: Path, folder: Path) -> None:
     shutil.copytree(straight / "checkpoint" / step, folder / "checkpoint" / step)
 
 
-RESUMED = ["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2", "deepseek-v3-ep2"]
+RESUMED = ["one-process", "one-process-async", "bf16-optimizer-state", "fsdp2", "deepseek-v3-ep2", "muon-fsdp2"]
 # Another layout loads the FSDP=2 run's step MIDDLE: (processes, data-parallel degree, flags).
 RESHARDED = {
     "one-process": (1, 1, []),
@@ -197,7 +201,7 @@ def test_resume_is_bit_exact(run: str, straight_runs: Callable[[str], Path],
     assert [got[s] for s in range(MIDDLE + 1, STEPS + 1)] == [want[s] for s in range(MIDDLE + 1, STEPS + 1)]
 
 
-@pytest.mark.parametrize("name", ["pp2", "cp2", "deepseek-v3-ep2"])
+@pytest.mark.parametrize("name", ["pp2", "cp2", "deepseek-v3-ep2", "muon-fsdp2"])
 def test_resume_on_one_process_from_another_layout(tmp_path: Path, name: str,
                                                    straight_runs: Callable[[str], Path]) -> None:
     """Saved by 2 processes in another layout at step MIDDLE, resumed by one: the same per-step losses as the 2-process
@@ -448,6 +452,23 @@ def test_resume_across_parameter_groupings(tmp_path: Path, saved: list[str], loa
             assert group["weight_decay"] == (0.0 if undecayed else 0.1), names[id(param)]
     other.run()
     assert other.step == 6
+
+
+def test_another_optimizers_state_is_refused_by_name(tmp_path: Path, source_run: Path) -> None:
+    """AdamW's checkpoint into a Muon run: a config error naming --checkpoint.exclude_from_loading optimizer, not a
+    crash inside DCP; with that flag the weights load and Muon starts afresh."""
+    run = copy_of(source_run, tmp_path / "run")
+    flags = [*BASE, "--job.dump_folder", str(run), "--training.steps", "5", "--checkpoint.enable",
+             "--optimizer.name", "Muon"]
+    result = run_train_here(*flags)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert ("holds another optimizer's state: exp_avg, exp_avg_sq, step for layers.0.attention.wq.weight, where "
+            "this run's Muon keeps momentum_buffer") in output
+    assert "--checkpoint.exclude_from_loading optimizer" in output and "Traceback" not in output
+    result = run_train_here(*flags, "--checkpoint.exclude_from_loading", "optimizer")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "not restored: optimizer" in result.stdout
 
 
 def test_model_shape_mismatch_names_parameters(tmp_path: Path, source_run: Path) -> None:

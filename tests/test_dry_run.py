@@ -20,6 +20,7 @@ from titan.estimate.simulate import DryRunResult, run_dry_run
 from titan.estimate.trace import SCALED_MM_V2, op_flops, precision_class
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.models.llama.model import Transformer, TransformerBlock
+from titan.train.muon import least_loaded_owners, matrix_cost
 from titan.validate import load_job_config
 
 aten = torch.ops.aten
@@ -69,6 +70,30 @@ def test_report_counts_fsdp_traffic_and_memory() -> None:
     assert gathered == 2 * result.num_params + 2 * block_params * (LLAMA3_FLAVORS["1B"].n_layers - 1)
     report = format_report(result, cfg.estimate)
     assert "tokens/s per GPU" in report and "dp_shard" in report
+
+
+def test_muons_newton_schulz_and_exchanges_are_counted() -> None:
+    """Muon on the debug model under FSDP 2: the update's matmul FLOPs on rank 0 are Newton-Schulz's on exactly the
+    matrices it owns (the owner assignment's), and its all-to-alls move, in bfloat16, its chunk of every matrix to the
+    owners and its owned matrices' chunks back; the report gives their share of the step."""
+    world_size = 2
+    cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"),
+                           "--parallelism.data_parallel_shard_degree", "2", "--optimizer.name", "Muon",
+                           "--job.dry_run"], world_size)
+    result = run_dry_run(cfg, world_size, rank=0)
+    with torch.device("meta"):
+        model = Transformer(replace(LLAMA3_FLAVORS["debugmodel"], vocab_size=2256))
+    matrices = [param for fqn, param in model.named_parameters() if param.ndim == 2 and fqn.startswith("layers.")]
+    owners = least_loaded_owners([matrix_cost(param, cfg.optimizer.ns_steps) for param in matrices], world_size)
+    owned = [param for param, owner in zip(matrices, owners) if owner == 0]
+    assert 0 < len(owned) < len(matrices)
+    assert sum(op.flops for op in result.update_ops) == sum(matrix_cost(param, 5) for param in owned)
+    local_rows = [-(-param.size(0) // world_size) for param in matrices]  # FSDP's chunks: rank 0's the larger
+    moved = 2 * (sum(rows * param.size(1) for rows, param in zip(local_rows, matrices))
+                 + sum(param.numel() for param in owned))
+    assert {c.kind for c in result.update_collectives} == {"all_to_all"}
+    assert sum(c.bytes for c in result.update_collectives) == moved
+    assert "optimizer update (Muon):" in format_report(result, cfg.estimate)
 
 
 def test_memory_savers_are_accounted() -> None:

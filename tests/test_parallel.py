@@ -100,6 +100,9 @@ GPT_OSS_LOW_PRECISION = [
     *GPT_OSS, "--model.converters", "float8", "mx", "--float8.emulate", "--float8.recipe_name", "rowwise_with_gw_hp",
     "--float8.filter_fqns", "output", "--float8.moe_fqns_prototype", "layers.0.", "layers.1.", "--mx.emulate",
     "--mx.filter_fqns", "output", "attention", "--mx.moe_fqns_prototype", "layers.2.", "layers.3."]
+# Muon (titan/train/muon.py): each sharded matrix gathered whole on one rank of its shard group, orthogonalised
+# there and scattered back; the experts' stacks orthogonalised where they lie.
+MUON = ["--optimizer.name", "Muon"]
 PIPELINE_SCHEDULES = {
     "GPipe": ["--parallelism.pipeline_parallel_split_points", "layers.2"],  # uneven: blocks 0-1 | 2-5
     "1F1B": [],
@@ -258,6 +261,22 @@ LAYOUTS = {
                                       *AOT_EAGER]),
     **layouts(4, "ref_gpt_oss_low_precision",
               gpt_oss_low_precision_ep2_fsdp2=["--training.local_batch_size", "1", *GPT_OSS_LOW_PRECISION, *EP2]),
+    # Muon under each layout that shards its matrices: FSDP (rows), TP (columns or rows), both (a 4-rank group), HSDP
+    # (each replica's shard group), the pipeline (each stage its own), and for the experts EP (whole stacks per rank)
+    # and EP x expert FSDP.
+    **layouts(1, None, ref_muon=["--training.local_batch_size", "4", *MUON],
+              ref_muon_moe=["--training.local_batch_size", "4", *QWEN3_MOE, *MUON]),
+    **layouts(2, "ref_muon", muon_fsdp2=["--training.local_batch_size", "2", *FSDP2, *MUON],
+              muon_tp2=["--training.local_batch_size", "4", *TP2, *MUON],
+              muon_pp2=["--training.local_batch_size", "4", *PP2, *MUON]),
+    **layouts(2, "ref_muon_moe", muon_moe_ep2=["--training.local_batch_size", "2", *QWEN3_MOE, *EP2, *MUON],
+              muon_moe_pp2=["--training.local_batch_size", "4", *QWEN3_MOE, *PP2, *MUON]),
+    **layouts(4, "ref_muon", muon_fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2, *MUON]),
+    **layouts(4, "ref_muon_moe",
+              muon_moe_ep2_fsdp2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2, *MUON],
+              muon_moe_hsdp2_ep2=["--training.local_batch_size", "1", *QWEN3_MOE, *EP2, *MUON,
+                                  "--parallelism.data_parallel_replicate_degree", "2",
+                                  "--parallelism.data_parallel_shard_degree", "2"]),
     **layouts(4, fsdp2_tp2=["--training.local_batch_size", "2", *FSDP2, *TP2],
               pp2_fsdp2=["--training.local_batch_size", "2", *PP2, *FSDP2],
               pp2_tp2=["--training.local_batch_size", "4", *PP2, *TP2],
@@ -394,6 +413,25 @@ def test_gpt_oss_layouts_match_one_process(runs: CaseResults, case: str) -> None
     after the merge), the pipeline's stages (each block's own mask and its sinks' gradients), FSDP with compiled
     blocks."""
     assert_same_run(runs, case, loss_falls=False)
+
+
+@pytest.mark.parametrize("case", ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_fsdp2_tp2", "muon_moe_ep2",
+                                  "muon_moe_pp2", "muon_moe_ep2_fsdp2", "muon_moe_hsdp2_ep2"])
+def test_muon_matches_one_process(runs: CaseResults, case: str) -> None:
+    """Muon's matrices gathered, orthogonalised and scattered back train as on one process: the losses to 1e-5, and
+    the final weights. The gradients differ from one process's by reduction order (1e-7), which can move an element
+    of the iteration's bfloat16 input across a rounding boundary, and the iteration spreads that over its row; in a
+    mixture of experts the routers, under AdamW, then turn near-zero gradient differences into lr-sized steps. At most
+    1.1% of any weight's elements end up apart by more than 1e-4 (and 1e-4 of their size), by at most 5e-4
+    (measured, torch 2.11 and 2.13), where a wrong gather or owner would move most of them by about a step (1e-2)."""
+    got, reference = runs[case], runs[LAYOUTS[case].reference]
+    torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=0)
+    assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    assert got["weights"].keys() == reference["weights"].keys()
+    for name, value in reference["weights"].items():
+        apart = (got["weights"][name] - value).abs()
+        outside = (apart > 1e-4 + 1e-4 * value.abs()).float().mean()
+        assert apart.max() < 1e-3 and outside < 0.02, (name, apart.max().item(), outside.item())
 
 
 @pytest.mark.parametrize("case", ["fsdp2_tp2"])

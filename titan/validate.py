@@ -65,6 +65,7 @@ from titan.train.rules import (
     check_global_batch,
     check_lr_multipliers,
     check_multi_token_prediction,
+    check_muon,
     check_seq_len,
     check_spike_rollback,
     check_time_limit,
@@ -75,16 +76,17 @@ from titan.train.rules import (
 RULES: tuple[Rule, ...] = (
     check_flavor, check_mixture_of_experts, check_tied_embeddings, check_multi_token_prediction, check_seq_len,
     check_global_batch, check_converters, check_converter_filters, check_nvfp4, check_tokenizer_path,
-    check_dataset_path, check_dump_folder, check_lr_multipliers, check_wandb_installed, check_degree_product,
-    check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches, check_context_parallel,
-    check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather, check_checkpoint,
-    check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths, check_validation_dataset_path,
-    check_validation_pipeline, check_validation_seq_len, check_fault, check_chat_attention, check_chat_template_path,
-    check_initial_load_path, check_ignored_dataset_paths, check_chat_fields_apply, check_hugging_face_class,
+    check_dataset_path, check_dump_folder, check_lr_multipliers, check_muon, check_wandb_installed,
+    check_degree_product, check_pipeline_split_points, check_pipeline_stages, check_pipeline_microbatches,
+    check_context_parallel, check_tensor_parallel_shapes, check_selective_ac_option, check_float8_all_gather,
+    check_checkpoint, check_spike_rollback, check_time_limit, check_mixture, check_mixture_paths,
+    check_validation_dataset_path, check_validation_pipeline, check_validation_seq_len, check_fault,
+    check_chat_attention, check_chat_template_path, check_initial_load_path, check_ignored_dataset_paths,
+    check_chat_fields_apply, check_hugging_face_class,
     # Hardware rules, about the accelerator the job runs on: this machine's, or the GPU a dry run simulates.
-    check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware,
-    check_float8_tokens, check_float8_experts_hardware, check_mx_hardware, check_nvfp4_hardware,
-    check_flex_attention_device, check_pinned_memory_checkpoint, check_resharded_experts_under_recording_checkpoints,
+    check_memory_snapshot, check_pipeline_schedule_support, check_async_tp, check_float8_hardware, check_float8_tokens,
+    check_float8_experts_hardware, check_mx_hardware, check_nvfp4_hardware, check_flex_attention_device,
+    check_pinned_memory_checkpoint, check_resharded_experts_under_recording_checkpoints,
 )
 """Every cross-field rule, in the order their problems are listed."""
 

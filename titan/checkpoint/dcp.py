@@ -169,6 +169,27 @@ def check_model_shapes(folder: str, metadata: dict[str, Any], model_state: dict[
                                f"trained with, or another --checkpoint.folder."])
 
 
+def check_optimizer_state(folder: str, metadata: dict[str, Any], current: dict[str, dict[str, Any]],
+                          optimizer: str) -> None:
+    """Raise a CheckpointError where the checkpoint's optimizer state is another optimizer's: a parameter of this
+    rank whose state (`current`, by FQN: the names this optimizer keeps) the checkpoint holds under other names
+    (AdamW's exp_avg and exp_avg_sq where Muon keeps a momentum_buffer, or the other way)."""
+    saved: dict[str, set[str]] = {}
+    for key in metadata:
+        if key.startswith("optimizer.state."):
+            fqn, _, name = key.removeprefix("optimizer.state.").rpartition(".")
+            saved.setdefault(fqn, set()).add(name)
+    other = {fqn: (sorted(saved[fqn]), sorted(state)) for fqn, state in current.items()
+             if fqn in saved and not set(state) <= saved[fqn]}
+    if other:
+        fqn, (found, kept) = next(iter(other.items()))
+        raise CheckpointError([f"Checkpoint {folder} holds another optimizer's state: {', '.join(found)} for "
+                               f"{fqn}, where this run's {optimizer} keeps {', '.join(kept)} (and {len(other) - 1} "
+                               f"more parameters), as after a change of --optimizer.name. Load the rest without it: "
+                               f"--checkpoint.exclude_from_loading optimizer (this run's optimizer then starts "
+                               f"afresh)."])
+
+
 def save_model_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
     """Write a weights-only checkpoint, {"model": state_dict}, from one process without a process group: a
     folder --checkpoint.initial_load_path can start from (scripts/convert_from_hf.py)."""
@@ -455,6 +476,7 @@ class Checkpointer:
             # Only the per-parameter state (moments, step counts, by FQN) is read: the parameter groups and their
             # hyperparameters are the config's, and a checkpoint grouped otherwise (another --optimizer.lr_multipliers,
             # or from before parameter groups) has different ones.
+            check_optimizer_state(folder, metadata, current_optimizer["state"], type(self.optimizer).__name__)
             state["optimizer"] = {"state": current_optimizer["state"]}
         for part in ("lr_scheduler", "train_state"):
             if part in parts:

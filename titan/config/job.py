@@ -112,8 +112,11 @@ class MoE:
 
 @dataclass
 class Optimizer:
-    name: Literal["AdamW", "Adam"] = "AdamW"
-    """Optimizer. AdamW decouples weight decay from the gradient; Adam adds it to the gradient."""
+    name: Literal["AdamW", "Adam", "Muon", "DistMuon"] = "AdamW"
+    """Optimizer. AdamW decouples weight decay from the gradient; Adam adds it to the gradient. Muon
+    orthogonalises the momentum of each hidden weight matrix (Newton-Schulz) and trains every other parameter with
+    AdamW; under FSDP, TP and EP each matrix is gathered whole on one rank of its shard group (docs/optimizers.md).
+    DistMuon is torchtitan's name for the same."""
     lr: PositiveFloat = 8e-4
     """Peak learning rate, reached at the end of warmup."""
     beta1: Decay = 0.9
@@ -139,12 +142,39 @@ class Optimizer:
     """Dtype of Adam's two moments. bfloat16 halves the optimizer state (4 bytes per parameter instead of 8): the
     update runs in float32 and the moments are stored with stochastic rounding, so increments smaller than
     bfloat16's spacing are kept on average (titan/train/bf16_state.py). Its own kernel: --optimizer.implementation
-    does not apply. Parameters and gradients keep their dtypes."""
+    does not apply. Parameters and gradients keep their dtypes. Adam and AdamW only: Muon keeps one float32
+    momentum per matrix element, half of Adam's state already."""
+    momentum: Decay = 0.95
+    """Muon: the momentum's decay (torch.optim.Muon's `momentum`): buffer = momentum x buffer + (1 - momentum) x
+    gradient."""
+    nesterov: bool = True
+    """Muon: orthogonalise Nesterov's look-ahead, (1 - momentum) x gradient + momentum x buffer, rather than the
+    buffer."""
+    ns_steps: Count = 5
+    """Muon: Newton-Schulz iterations per matrix and step."""
+    ns_a: FiniteFloat = 3.4445
+    """Muon: a of the quintic Newton-Schulz iteration X <- a X + b (X X^T) X + c (X X^T)^2 X (torch.optim.Muon's
+    ns_coefficients (a, b, c); the defaults are Keller Jordan's). Coefficients under which the iteration takes [0, 1]
+    out of bounds are a config error."""
+    ns_b: FiniteFloat = -4.7750
+    """Muon: b of the Newton-Schulz iteration (--optimizer.ns_a)."""
+    ns_c: FiniteFloat = 2.0315
+    """Muon: c of the Newton-Schulz iteration (--optimizer.ns_a)."""
+    ns_eps: PositiveFloat = 1e-7
+    """Muon: floor of the Frobenius norm a matrix is divided by before Newton-Schulz (torch.optim.Muon's `eps`)."""
+    adjust_lr_fn: Literal["match_rms_adamw", "original"] = "match_rms_adamw"
+    """Muon: how a matrix's learning rate follows its shape. match_rms_adamw (Moonlight's, 0.2 x sqrt(max(rows,
+    cols))) gives the update AdamW's RMS, so one --optimizer.lr and schedule serve the Muon and AdamW parameters;
+    original (Keller Jordan's, sqrt(max(1, rows / cols))) wants a Muon rate of its own, about 0.02."""
+    adamw_fqns: list[str] = field(default_factory=list)
+    """Muon: FQN substrings of weight matrices to train with AdamW instead (`--optimizer.adamw_fqns wo w2`). The
+    embedding, the output projection, norms, biases, attention sinks and the MoE routers always train with AdamW."""
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
     """Optimizer kernel: fused (one kernel updates every parameter; foreach on a device torch has no fused Adam
     kernel for), foreach (multi-tensor ops), for-loop (one parameter at a time). Only fused skips a step's update
     on the device (--training.on_nonfinite, --training.on_spike); with the others the host waits for each step's
-    verdict before its update."""
+    verdict before its update. Under Muon it is the AdamW parameters' kernel: the matrices' update is Muon's own,
+    which always skips on the device."""
 
 
 @dataclass

@@ -7,7 +7,7 @@ from collections import defaultdict
 from titan.config.errors import ConfigError
 from titan.config.job import Estimate
 from titan.estimate.data_cost import data_report_lines
-from titan.estimate.roofline import GPUS, Network, StepEstimate, collective_seconds, estimate_step
+from titan.estimate.roofline import GPUS, Network, StepEstimate, collective_seconds, compute_seconds, estimate_step
 from titan.estimate.simulate import DryRunResult
 from titan.estimate.trace import CATEGORIES
 from titan.metrics.log import logger
@@ -53,6 +53,20 @@ def active_params_note(result: DryRunResult) -> str:
     return f" ({result.num_active_params:,} active per token)"
 
 
+def update_line(result: DryRunResult, est: Estimate, step_s: float) -> str:
+    """What the optimizer update costs this rank: its matmul FLOPs (Muon's Newton-Schulz), its roofline compute time,
+    the bytes and time of its collectives (Muon's gathers and scatters, on the critical path), and their share of the
+    step."""
+    gpu, network = GPUS[est.gpu], network_for(est)
+    flops = sum(op.flops for op in result.update_ops)
+    compute = compute_seconds(result.update_ops, gpu)
+    moved = sum(collective.bytes for collective in result.update_collectives)
+    communication = sum(collective_seconds(collective, gpu, network) for collective in result.update_collectives)
+    share = 100 * (compute + communication) / step_s
+    return (f"  optimizer update ({result.optimizer}): {flops / 1e12:.3g} TFLOPs of matmuls, {compute:.3f} s "
+            f"compute; its collectives {moved / GIB:.3f} GiB, {communication:.3f} s: {share:.1f}% of the step")
+
+
 def format_report(result: DryRunResult, est: Estimate) -> str:
     gpu = GPUS[est.gpu]
     memory = result.memory
@@ -76,6 +90,7 @@ def format_report(result: DryRunResult, est: Estimate) -> str:
         f"{sum(step.exposed_comm_s.values()):.3f} s = {step.step_s:.3f} s per step",
         f"  {result.tokens_per_gpu:,} tokens per GPU per step: {step.tokens_per_s:,.0f} tokens/s per GPU, MFU "
         f"{step.mfu_pct:.1f}%",
+        update_line(result, est, step.step_s),
         *data_report_lines(result.data, step.step_s),
     ]
     return "\n".join(lines)

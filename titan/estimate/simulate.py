@@ -62,6 +62,11 @@ class DryRunResult:
     micro_batches: int
     """Loader batches per step (gradient accumulation steps)."""
     data: DataCost
+    update_ops: list[OpCost]
+    update_collectives: list[Collective]
+    """The optimizer update's share of `ops` and `collectives` (Muon's Newton-Schulz and its gathers among them)."""
+    optimizer: str
+    """The optimizer's name, for the report."""
 
 
 def join_fake_process_group(rank: int, world_size: int) -> None:
@@ -90,8 +95,7 @@ def group_infos(meshes: Meshes | None) -> dict[str, GroupInfo]:
     if meshes is None:
         return {}
     infos = {}
-    experts = tuple(mesh for mesh in (meshes.ep, meshes.expert_fsdp) if mesh is not None)
-    for mesh in (meshes.root, meshes.dp, meshes.fsdp, meshes.loss, meshes.dp_cp, *experts):
+    for mesh in meshes.all():
         for index, name in enumerate(mesh.mesh_dim_names):
             group = mesh.get_group(index)
             infos.setdefault(group.group_name, GroupInfo(dim=name, ranks=tuple(dist.get_process_group_ranks(group))))
@@ -108,23 +112,28 @@ def random_batches(training: TrainingStep) -> Iterator[Batch]:
         yield batch_to((tokens[:, :-1], tokens[:, 1:], ends), training.device)
 
 
-def run_step(training: TrainingStep, recorder: StepRecorder | None) -> None:
+def run_step(training: TrainingStep, recorder: StepRecorder | None) -> tuple[int, int]:
     """One training step as the trainer queues it (Trainer.queue_gradients and queue_update): forward and backward,
     clipping, the update skipped on the device for a non-finite loss or norm, and the copy of the loss, norm and skip
     flag to the host. What the host does with them a step later needs their values, which fake tensors have none of.
-    The recorder learns which storages are gradients once backward made them."""
+    The recorder learns which storages are gradients once backward made them. Returns where the update's ops and
+    collectives start among the recorder's (0, 0 without one)."""
     batches = random_batches(training)
     micro_batches = [training.micro_batch(*next(batches)) for _ in range(training.grad_accumulation_steps)]
     loss_sum, grad_norm = training.compute_gradients(micro_batches)
     loss = training.global_mean(loss_sum).float()
+    update_start = (0, 0)
     if recorder is not None:
         recorder.label((p.grad for p in training.model.parameters() if p.grad is not None), "gradients")
+        update_start = (len(recorder.ops), len(recorder.collectives))
     training.update_and_read_back(loss, grad_norm, skips_update(loss, grad_norm))
+    return update_start
 
 
-def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecorder:
+def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> tuple[StepRecorder, tuple[int, int]]:
     """A first step (it creates the optimizer state and fills torch's sharding caches, as a real run's first
-    step does), then the recorded second step: the steady state a long run lives in."""
+    step does), then the recorded second step: the steady state a long run lives in. Returns the recorder and where
+    the update's ops and collectives start among its records."""
     with fake_mode:
         run_step(training, recorder=None)
         training.optimizer.zero_grad()
@@ -133,14 +142,15 @@ def record_step(training: TrainingStep, fake_mode: FakeTensorMode) -> StepRecord
         recorder.register((value for state in training.optimizer.state.values() for value in state.values()
                            if isinstance(value, torch.Tensor)), "optimizer state")
         with recorder:
-            run_step(training, recorder)
-    return recorder
+            update_start = run_step(training, recorder)
+    return recorder, update_start
 
 
-def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, data: DataCost,
-                   host_memory: bool) -> DryRunResult:
-    """The report's facts about the recorded step. `host_memory`: storages in host memory are counted apart from the
-    GPU's (on a simulated GPU; on a CPU every storage is the device's)."""
+def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, update_start: tuple[int, int],
+                   data: DataCost, host_memory: bool) -> DryRunResult:
+    """The report's facts about the recorded step, whose update starts at `update_start` among the recorder's ops
+    and collectives. `host_memory`: storages in host memory are counted apart from the GPU's (on a simulated GPU; on
+    a CPU every storage is the device's)."""
     d, model_parts, pipeline = training.dims, training.model_parts, training.model_parts.pipeline
     bubble = (ideal_bubble_fraction(pipeline.schedule_name, d.pp, len(pipeline.parts), pipeline.num_microbatches)
               if pipeline is not None else 0.0)
@@ -153,7 +163,8 @@ def dry_run_result(training: TrainingStep, rank: int, recorder: StepRecorder, da
         flops_per_token=model_parts.flops_per_token, tokens_per_gpu=training.global_tokens_per_step // d.world_size,
         memory=memory_peak(recorder, host_memory),
         ops=recorder.ops, collectives=recorder.collectives, bubble_fraction=bubble,
-        micro_batches=training.grad_accumulation_steps, data=data)
+        micro_batches=training.grad_accumulation_steps, data=data, update_ops=recorder.ops[update_start[0]:],
+        update_collectives=recorder.collectives[update_start[1]:], optimizer=type(training.optimizer).__name__)
 
 
 @dataclass(frozen=True)
@@ -225,8 +236,8 @@ def simulate_rank(request: RankRequest) -> DryRunResult:
         training = build_training_step(cfg, dims, device, dry_run_vocab_size(cfg.model), simulation_mode(fake_mode))
         if training.model_parts.pipeline is not None:
             declare_static_shapes(training.model_parts.pipeline.schedule)
-        recorder = record_step(training, fake_mode)
+        recorder, update_start = record_step(training, fake_mode)
     dp_rank, dp_degree = data_parallel_rank(training.meshes)
     data = measure_data_cost(cfg.training, cfg.model.tokenizer_path, dp_rank, dp_degree,
                              training.grad_accumulation_steps, cfg.chat)
-    return dry_run_result(training, request.rank, recorder, data, host_memory=gpu is not None)
+    return dry_run_result(training, request.rank, recorder, update_start, data, host_memory=gpu is not None)

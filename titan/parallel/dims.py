@@ -217,6 +217,18 @@ class Meshes:
     expert_fsdp: DeviceMesh | None = None
     """Expert parallel: the ranks that FSDP-shard each expert (the rest of dp_shard x cp, with dp_replicate
     outside for HSDP)."""
+    fsdp_tp: DeviceMesh | None = None
+    """dp_shard x cp x tp flattened, under FSDP and TP together: the ranks that hold pieces of one weight matrix,
+    which Muon gathers over (titan/train/muon.py)."""
+
+    def shard_group(self, mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
+        """The process group over `dims` of `mesh`, a sharded parameter's: one of its dims, or FSDP's and TP's
+        together (fsdp_tp), the only pair a parameter is sharded over."""
+        if len(dims) == 1:
+            return mesh.get_group(dims[0])
+        names = tuple(mesh.mesh_dim_names[dim] for dim in dims)
+        assert names == ("dp_shard_cp", "tp") and self.fsdp_tp is not None, f"no process group over {names}"
+        return self.fsdp_tp.get_group()
 
     @property
     def pp(self) -> DeviceMesh:
@@ -232,8 +244,8 @@ class Meshes:
 
     def all(self) -> tuple[DeviceMesh, ...]:
         """Every mesh whose groups run collectives."""
-        experts = tuple(mesh for mesh in (self.ep, self.expert_fsdp) if mesh is not None)
-        return (*(self.root[name] for name in MESH_DIMS), self.dp, self.fsdp, self.loss, self.dp_cp, *experts)
+        optional = tuple(mesh for mesh in (self.ep, self.expert_fsdp, self.fsdp_tp) if mesh is not None)
+        return (*(self.root[name] for name in MESH_DIMS), self.dp, self.fsdp, self.loss, self.dp_cp, *optional)
 
 
 def set_collective_timeout(meshes: Meshes | None, seconds: int) -> None:
@@ -266,10 +278,12 @@ def build_meshes(dims: ParallelDims, device: torch.device) -> Meshes | None:
     else:
         fsdp = root["dp_shard", "cp"]._flatten("dp_shard_cp")
     ep, expert_fsdp = build_expert_meshes(dims, dp_cp)
+    fsdp_tp = root["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp") if dims.tp_enabled and dims.dp_enabled else None
     logger.info(f"Device mesh: pp {dims.pp} x dp_replicate {dims.dp_replicate} x dp_shard {dims.dp_shard} x cp "
                 f"{dims.cp} x tp {dims.tp} on {dims.world_size} ranks"
                 + (f"; experts: ep {dims.ep} x fsdp {dims.expert_fsdp} of the dp_shard x cp ranks" if ep else ""))
-    return Meshes(root=root, dp=dp, fsdp=fsdp, loss=loss, dp_cp=dp_cp, ep=ep, expert_fsdp=expert_fsdp)
+    return Meshes(root=root, dp=dp, fsdp=fsdp, loss=loss, dp_cp=dp_cp, ep=ep, expert_fsdp=expert_fsdp,
+                  fsdp_tp=fsdp_tp)
 
 
 def build_expert_meshes(dims: ParallelDims, dp_cp: DeviceMesh) -> tuple[DeviceMesh | None, DeviceMesh | None]:

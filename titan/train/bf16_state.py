@@ -26,9 +26,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
-from titan.parallel.shards import local_shard
+from titan.parallel.shards import local_shard, matching_layout
 
 MASK_32 = 0xFFFFFFFF
 
@@ -59,15 +58,6 @@ def round_with(values: Tensor, random_bits: Tensor) -> Tensor:
     toward_zero = bits & -0x10000  # the upper 16 bits: sign, exponent and bfloat16's 7 mantissa bits
     rounded = torch.where(random_bits < (bits & 0xFFFF), toward_zero + 0x10000, toward_zero)
     return rounded.view(torch.float32).bfloat16()
-
-
-def matching_layout(grad: Tensor, param: Tensor) -> Tensor:
-    """`grad` sharded as its parameter is. Under tensor parallel a gradient can come back in another layout than its
-    parameter's (Partial for the sequence-parallel norms): torch's Adam lets DTensor redistribute it inside its ops,
-    this optimizer works on local shards, so it redistributes first."""
-    if isinstance(grad, DTensor) and grad.placements != param.placements:
-        return grad.redistribute(param.device_mesh, param.placements)
-    return grad
 
 
 def adam_update(weights: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor, apply: Tensor,

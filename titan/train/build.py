@@ -93,7 +93,8 @@ def build_training_step(cfg: JobConfig, dims: ParallelDims, device: torch.device
         else:
             allocate_weights(model_parts.parts, device, cfg.training.enable_cpu_offload)
         model_parts.model.train()
-        optimizer = build_optimizer(model_parts.model, cfg.optimizer, compile_update=not mode.valueless)
+        optimizer = build_optimizer(model_parts.model, cfg.optimizer, meshes.shard_group if meshes else None,
+                                    compile_update=not mode.valueless)
         lr_scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, cfg.training.steps)
     return TrainingStep(train_cfg=cfg.training, dims=dims, meshes=meshes, device=device, model_parts=model_parts,
                         block_causal=block_causal, optimizer=optimizer, lr_scheduler=lr_scheduler,

@@ -1,5 +1,5 @@
 """The training run's config rules (titan/config/rule.py says what a rule is): the flavor and its sequence length, the
-batch the step accumulates, the model features the layout must keep together, the optimizer's multipliers, the
+batch the step accumulates, the model features the layout must keep together, the optimizer's multipliers and Muon, the
 validation pass, the run's folder and time limit, and the spike and fault settings."""
 
 import os
@@ -22,7 +22,12 @@ from titan.hardware import Accelerator
 from titan.models.families import FAMILIES
 from titan.parallel.degrees import data_parallel_degree
 from titan.parallel.rules import context_parallel_length_problem
-from titan.train.optim import parse_lr_multiplier
+from titan.train.muon import newton_schulz_bound
+from titan.train.optim import ns_coefficients, parse_lr_multiplier, uses_muon
+
+MAX_SINGULAR_VALUE = 1e3
+"""Where Newton-Schulz may take a singular value at most: bounded coefficients stay near 1 (the defaults below 1.3),
+diverging ones pass 1e6 within a few steps."""
 
 
 def check_flavor(model: Model) -> str | None:
@@ -118,6 +123,41 @@ def check_lr_multipliers(model: Model, optimizer: Optimizer) -> list[str]:
     if entries and flavor_args(model) is not None:
         problems += unmatched_patterns("--optimizer.lr_multipliers", entries, parameter_fqns(model), "parameter",
                                        model.flavor, "change no learning rate")
+    return problems
+
+
+MUON_FIELDS = ("momentum", "nesterov", "ns_steps", "ns_a", "ns_b", "ns_c", "ns_eps", "adjust_lr_fn", "adamw_fqns")
+"""The [optimizer] fields only Muon reads."""
+
+
+def check_muon(model: Model, optimizer: Optimizer, training: Training) -> list[str]:
+    """Muon's fields only with Muon, and with Muon: Newton-Schulz coefficients that keep the iteration bounded,
+    float32 state, the matrices on the device (their gathers run on the device's process group), and
+    --optimizer.adamw_fqns naming parameters there are."""
+    if not uses_muon(optimizer):
+        return [f"--optimizer.{name} is Muon's (--optimizer.name Muon); --optimizer.name {optimizer.name} ignores "
+                f"it. Leave it unset." for name in MUON_FIELDS if name in fields_set(optimizer)]
+    problems = []
+    coefficients = ns_coefficients(optimizer)
+    value, reached = newton_schulz_bound(coefficients, optimizer.ns_steps)
+    if not abs(reached) < MAX_SINGULAR_VALUE:
+        problems.append(f"--optimizer.ns_a {coefficients[0]:g}, --optimizer.ns_b {coefficients[1]:g}, "
+                        f"--optimizer.ns_c {coefficients[2]:g} and --optimizer.ns_steps {optimizer.ns_steps} take a "
+                        f"singular value of {value:.3g} to {reached:.3g}: the Newton-Schulz iteration diverges and "
+                        f"would write non-finite weights. Use coefficients that keep [0, 1] bounded, e.g. the "
+                        f"defaults 3.4445, -4.775, 2.0315.")
+    if optimizer.state_dtype == "bfloat16":
+        problems.append(f"--optimizer.state_dtype bfloat16 is Adam's and AdamW's; --optimizer.name {optimizer.name} "
+                        f"keeps one float32 momentum per matrix element (half of Adam's state already). Leave it "
+                        f"at float32.")
+    if training.enable_cpu_offload:
+        problems.append(f"--optimizer.name {optimizer.name} can't run with --training.enable_cpu_offload: "
+                        f"Newton-Schulz gathers each matrix over the device's process group, and offload keeps the "
+                        f"shards in host memory. Use --optimizer.name AdamW, or turn offload off.")
+    if optimizer.adamw_fqns and flavor_args(model) is not None:
+        problems += unmatched_patterns("--optimizer.adamw_fqns", [(text, text) for text in optimizer.adamw_fqns],
+                                       parameter_fqns(model), "parameter", model.flavor,
+                                       "leave every matrix with Muon")
     return problems
 
 
