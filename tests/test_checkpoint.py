@@ -225,6 +225,29 @@ def test_resume_on_one_process_from_another_layout(tmp_path: Path, name: str,
     assert all(split[fqn].shape == whole[fqn].shape for fqn in whole)
 
 
+def test_muons_momentum_saved_sharded_loads_whole_on_one_process(tmp_path: Path,
+                                                                  straight_runs: Callable[[str], Path]) -> None:
+    """Muon's momentum, saved by FSDP 2 as two row shards of each matrix, loads on one process as the whole saved
+    tensor, every element in place (its losses after the resume: test_resume_on_one_process_from_another_layout)."""
+    _, model, _ = STRAIGHT_RUNS["muon-fsdp2"]
+    folder = tmp_path / "one-process"
+    copy_middle_step(straight_runs("muon-fsdp2"), folder)
+    step = str(folder / "checkpoint" / f"step-{MIDDLE}")
+    metadata = dcp.FileSystemReader(step).read_metadata().state_dict_metadata
+    keys = [key for key in metadata if key.endswith(".momentum_buffer")]
+    assert keys and all(len(metadata[key].chunks) == 2 for key in keys), "saved as one shard per rank"
+    saved = {key: torch.empty(metadata[key].size, dtype=metadata[key].properties.dtype) for key in keys}
+    dcp.load(saved, storage_reader=dcp.FileSystemReader(step), no_dist=True)
+    flags = [*BASE, *model, "--job.dump_folder", str(folder), "--training.steps", str(STEPS), *CHECKPOINT]
+    trainer = Trainer(load_job_config(flags, world_size=1), world_size=1)
+    loaded = {fqn: state["momentum_buffer"] for fqn, state in optimizer_state_by_fqn(trainer).items()
+              if "momentum_buffer" in state}
+    assert len(loaded) == len(keys)
+    for fqn, momentum in loaded.items():
+        assert torch.equal(momentum, saved[f"optimizer.state.{fqn}.momentum_buffer"]), fqn
+        assert momentum.abs().sum() > 0, fqn
+
+
 def test_killed_during_async_save_resumes_from_last_complete(tmp_path: Path) -> None:
     """SIGKILL while a background save is writing: the half-written folder is never loaded; the rerun (the same
     command) resumes from the newest complete step, warns about the partial one, deletes it, and logs the losses

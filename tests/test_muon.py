@@ -13,6 +13,8 @@ from torch.optim._muon import _single_tensor_muon, _zeropower_via_newtonschulz
 
 from titan.config.errors import ConfigError
 from titan.config.job import Optimizer
+from titan.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
+from titan.models.gpt_oss import GPT_OSS_FLAVORS
 from titan.models.llama.args import LLAMA3_FLAVORS
 from titan.models.qwen3 import QWEN3_FLAVORS
 from titan.train.muon import newton_schulz, newton_schulz_bound
@@ -26,6 +28,13 @@ LLAMA = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], dim=64, n_layers=2, n_
                             vocab_size=256, max_seq_len=32)
 QWEN3_MOE = dataclasses.replace(QWEN3_FLAVORS["debugmodel_moe"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                 head_dim=16, vocab_size=256, max_seq_len=32)
+# Every part of their families (MLA's fused wkv_a, MTP's eh_proj, shared experts; sinks, biased experts and router).
+DEEPSEEK_V3 = dataclasses.replace(
+    DEEPSEEK_V3_FLAVORS["debugmodel_mtp"], dim=64, n_heads=4, n_kv_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+    qk_rope_head_dim=8, v_head_dim=16, hidden_dim=128, vocab_size=256, max_seq_len=32,
+    moe=dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel_mtp"].moe, hidden_dim=32))
+GPT_OSS = dataclasses.replace(GPT_OSS_FLAVORS["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              head_dim=16, vocab_size=256, max_seq_len=32)
 MUON = Optimizer(name="Muon", lr=2e-2, weight_decay=0.1, momentum=0.9, implementation="fused")
 
 
@@ -68,6 +77,24 @@ def test_hidden_matrices_train_with_muon_and_the_rest_with_adamw(caplog: pytest.
     assert "layers.0.attention.wo.weight" in moved["adamw"] and len(moved["muon"]) == 12
 
 
+def test_each_familys_own_parts_go_to_the_right_algorithm() -> None:
+    """DeepSeek-V3's fused wkv_a, shared experts and MTP projection are Muon's, its kv_norm AdamW's; GPT-OSS's
+    sinks, projection biases, experts' biases and biased router are AdamW's."""
+    model = build_model(DEEPSEEK_V3)
+    found = groups_by_algorithm(build_optimizer(model, MUON), model)
+    assert {"layers.1.attention.wkv_a.weight", "layers.1.moe.shared_experts.w1.weight",
+            "mtp.depths.0.eh_proj.weight", "mtp.depths.0.block.attention.wq.weight"} <= found["muon"]
+    assert {"layers.1.attention.kv_norm.weight", "mtp.depths.0.enorm.weight",
+            "layers.1.moe.router.gate.weight"} <= found["adamw"]
+    model = build_model(GPT_OSS)
+    found = groups_by_algorithm(build_optimizer(model, MUON), model)
+    assert found["muon"] == {f"layers.{i}.{name}" for i in range(2) for name in (
+        "attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "attention.wo.weight",
+        "moe.experts.w1", "moe.experts.w2", "moe.experts.w3")}
+    assert {"layers.0.attention.sinks", "layers.0.attention.wq.bias", "layers.0.moe.experts.w1_bias",
+            "layers.0.moe.router.gate.bias", "layers.0.moe.router.gate.weight"} <= found["adamw"]
+
+
 def reference_step(model: nn.Module, muon: list[nn.Parameter], adamw_groups: list[dict], cfg: Optimizer,
                    state: dict) -> None:
     """torch's Muon on each 2-D matrix and each expert matrix (a view of the stack), and torch's AdamW on the rest,
@@ -88,8 +115,10 @@ def reference_step(model: nn.Module, muon: list[nn.Parameter], adamw_groups: lis
 
 
 @pytest.mark.parametrize("args, nesterov, adjust_lr_fn", [(LLAMA, True, "match_rms_adamw"),
-                                                          (QWEN3_MOE, False, "original")],
-                         ids=["llama", "qwen3_moe"])
+                                                          (QWEN3_MOE, False, "original"),
+                                                          (DEEPSEEK_V3, True, "match_rms_adamw"),
+                                                          (GPT_OSS, True, "original")],
+                         ids=["llama", "qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_muon_equals_torchs_muon_and_adamw_bit_for_bit(args: object, nesterov: bool, adjust_lr_fn: str) -> None:
     """Three steps on the same gradients: every parameter equals torch.optim.Muon's and torch.optim.AdamW's result,
     bit for bit (the experts, run as stacks, matrix by matrix through torch's Muon, within the stacks' rounding: at

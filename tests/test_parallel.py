@@ -263,9 +263,15 @@ LAYOUTS = {
               gpt_oss_low_precision_ep2_fsdp2=["--training.local_batch_size", "1", *GPT_OSS_LOW_PRECISION, *EP2]),
     # Muon under each layout that shards its matrices: FSDP (rows), TP (columns or rows), both (a 4-rank group), HSDP
     # (each replica's shard group), the pipeline (each stage its own), and for the experts EP (whole stacks per rank)
-    # and EP x expert FSDP.
+    # and EP x expert FSDP; DeepSeek-V3's and GPT-OSS's own parts (MLA's fused wkv_a, MTP, sinks, biased experts and
+    # router) under FSDP 2 x EP 2.
     **layouts(1, None, ref_muon=["--training.local_batch_size", "4", *MUON],
-              ref_muon_moe=["--training.local_batch_size", "4", *QWEN3_MOE, *MUON]),
+              ref_muon_moe=["--training.local_batch_size", "4", *QWEN3_MOE, *MUON],
+              ref_muon_deepseek_v3=["--training.local_batch_size", "4", *DEEPSEEK_V3_MTP, *MUON],
+              ref_muon_gpt_oss=["--training.local_batch_size", "4", *GPT_OSS, *MUON]),
+    **layouts(2, "ref_muon_deepseek_v3",
+              muon_deepseek_v3_ep2=["--training.local_batch_size", "2", *DEEPSEEK_V3_MTP, *EP2, *MUON]),
+    **layouts(2, "ref_muon_gpt_oss", muon_gpt_oss_ep2=["--training.local_batch_size", "2", *GPT_OSS, *EP2, *MUON]),
     **layouts(2, "ref_muon", muon_fsdp2=["--training.local_batch_size", "2", *FSDP2, *MUON],
               muon_tp2=["--training.local_batch_size", "4", *TP2, *MUON],
               muon_pp2=["--training.local_batch_size", "4", *PP2, *MUON]),
@@ -416,7 +422,8 @@ def test_gpt_oss_layouts_match_one_process(runs: CaseResults, case: str) -> None
 
 
 @pytest.mark.parametrize("case", ["muon_fsdp2", "muon_tp2", "muon_pp2", "muon_fsdp2_tp2", "muon_moe_ep2",
-                                  "muon_moe_pp2", "muon_moe_ep2_fsdp2", "muon_moe_hsdp2_ep2"])
+                                  "muon_moe_pp2", "muon_moe_ep2_fsdp2", "muon_moe_hsdp2_ep2", "muon_deepseek_v3_ep2",
+                                  "muon_gpt_oss_ep2"])
 def test_muon_matches_one_process(runs: CaseResults, case: str) -> None:
     """Muon's matrices gathered, orthogonalised and scattered back train as on one process: the losses to 1e-5, and
     the final weights. The gradients differ from one process's by reduction order (1e-7), which can move an element
