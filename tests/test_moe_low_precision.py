@@ -75,17 +75,20 @@ def titan_grouped_mm(matmuls: Float8ExpertMatmuls | MXExpertMatmuls, x: Tensor, 
     return out, x.grad, weight.grad
 
 
+@pytest.mark.parametrize("recipe_name, mode", [("mxfp8", ScaleCalculationMode.FLOOR),
+                                               ("mxfp8_rceil", ScaleCalculationMode.RCEIL)], ids=["floor", "rceil"])
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
-def test_mxfp8_experts_equal_torchao_bit_for_bit(dtype: torch.dtype) -> None:
-    """torchao's emulated MXFP8 grouped matmul with its own group padding, and Titan's scale rounding (floor): the
-    output and both gradients are the same bits. torchao returns bf16 (its out_dtype, what the kernels write); so do
+def test_mxfp8_experts_equal_torchao_bit_for_bit(dtype: torch.dtype, recipe_name: str,
+                                                 mode: ScaleCalculationMode) -> None:
+    """torchao's emulated MXFP8 grouped matmul with its own group padding, in the recipe's scale rounding: the output
+    and both gradients are the same bits. torchao returns bf16 (its out_dtype, what the kernels write); so do
     Titan's experts, cast to the input's dtype after the matmul, and so the output gradient reaches both as bf16."""
     x, counts, weight, grad = expert_operands(dtype)
-    got = titan_grouped_mm(MXExpertMatmuls(emulate=True), x, counts, weight, grad, MX_GROUP_ALIGNMENT)
+    got = titan_grouped_mm(MXExpertMatmuls(True, recipe_name), x, counts, weight, grad, MX_GROUP_ALIGNMENT)
     x_ref, weight_ref = x.clone().requires_grad_(), weight.clone().requires_grad_()
     out_ref = _to_mxfp8_then_scaled_grouped_mm(
         x_ref, weight_ref.transpose(-2, -1), counts.cumsum(0).to(torch.int32), out_dtype=torch.bfloat16,
-        kernel_preference=KernelPreference.EMULATED, scale_calculation_mode=ScaleCalculationMode.FLOOR,
+        kernel_preference=KernelPreference.EMULATED, scale_calculation_mode=mode,
         pad_token_groups_for_grouped_mm=True)
     out_ref.to(dtype).backward(grad)
     for name, value, expected in zip(("output", "grad_input", "grad_weight"), got,

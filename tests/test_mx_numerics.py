@@ -2,6 +2,7 @@
 element value and every scale exponent, special blocks, random blocks, torch.compile, and the Triton kernel
 against the torch path."""
 
+import itertools
 import math
 
 import pytest
@@ -193,6 +194,12 @@ def triton_cases() -> list[tuple[str, Tensor, torch.dtype, int]]:
     special[0] = 0
     special[1, 3], special[2, 40], special[3, 0] = math.nan, math.inf, -math.inf
     special[4, :32] = 2.0**-140
+    # rceil's edges: amaxes of 448 times a power of two, an ulp either side of one, and tiny ones whose amax / 448 is
+    # an fp32 subnormal above and below 2**-127.
+    special[5:8] = 0
+    power = 448.0 * 2.0**-20
+    special[5, 0], special[5, 32], special[6, 0] = power, power * (1 + 2.0**-23), power * (1 - 2.0**-24)
+    special[6, 32], special[7, 0], special[7, 32] = 448.0 * 2.0**-126.5, 448.0 * 2.0**-127.5, 448.0 * 2.0**-126
     for dim in (-1, 0):
         cases.append(("special values", special, E4M3, dim))
     return cases
@@ -203,14 +210,14 @@ def check_triton_matches_torch(device: str) -> None:
     from titan.quant.kernels.mx_quantize import triton_quantize
 
     failures = []
-    for name, x, elem_dtype, dim in triton_cases():
-        codes, data = triton_quantize(x.to(device), 32, elem_dtype, dim)
-        want_codes, want_data = torch_quantize(x, 32, elem_dtype, dim)
+    for (name, x, elem_dtype, dim), rounding in itertools.product(triton_cases(), ("floor", "rceil")):
+        codes, data = triton_quantize(x.to(device), 32, elem_dtype, dim, rounding)
+        want_codes, want_data = torch_quantize(x, 32, elem_dtype, dim, rounding)
         try:
             assert torch.equal(codes.cpu(), want_codes), "scale codes differ"
             assert_codes_equal(data.cpu(), want_data.view(torch.uint8))
         except AssertionError as error:
-            failures.append(f"{name} {x.dtype}->{elem_dtype} dim={dim}: {error}")
+            failures.append(f"{name} {x.dtype}->{elem_dtype} dim={dim} {rounding}: {error}")
     assert not failures, "\n".join(failures)
 
 

@@ -86,7 +86,8 @@ def every_launch() -> dict[str, Launch]:
         for power_of_2 in (False, True):
             launchers.append(partial(triton_tensorwise_cast, source, float8, power_of_2))
             launchers += [partial(triton_rowwise_cast, source, float8, dim, power_of_2) for dim in (0, -1)]
-        launchers += [partial(triton_quantize, source, 32, float8, dim) for dim in (0, -1)]
+        launchers += [partial(triton_quantize, source, 32, float8, dim, rounding) for dim in (0, -1)
+                      for rounding in ("floor", "rceil")]
     distinct = {}
     for launcher in launchers:
         for launch in captured_launches(launcher):

@@ -517,9 +517,11 @@ class Checkpoint:
 
 @dataclass
 class MX:
-    recipe_name: Literal["mxfp8"] = "mxfp8"
-    """MX recipe: mxfp8 = E4M3 elements in blocks of 32 sharing one E8M0 (power-of-two) scale, in all three
-    matmuls of every converted linear (OCP Microscaling spec v1.0)."""
+    recipe_name: Literal["mxfp8", "mxfp8_rceil"] = "mxfp8"
+    """MX recipe: E4M3 elements in blocks of 32 sharing one E8M0 (power-of-two) scale, in all three matmuls of every
+    converted linear and of the converted experts (OCP Microscaling spec v1.0). mxfp8 rounds the scale down (the
+    spec's floor: a block's largest element may saturate); mxfp8_rceil rounds amax / 448 up (torchao's and
+    torchtitan's default: nothing saturates). docs/mx.md."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
     output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""

@@ -202,7 +202,7 @@ def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
                                                                emulate=cfg.emulate),
                            f"mx {cfg.recipe_name}{emulated}")
     experts = convert_experts(model, cfg.moe_fqns_prototype, "--mx.moe_fqns_prototype", MX_GROUP_ALIGNMENT,
-                              MXExpertMatmuls(cfg.emulate),
+                              MXExpertMatmuls(cfg.emulate, cfg.recipe_name),
                               f"mx {cfg.recipe_name} grouped, token groups padded to {MX_GROUP_ALIGNMENT}{emulated}")
     return linears + experts
 

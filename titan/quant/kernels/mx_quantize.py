@@ -31,7 +31,7 @@ def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
                         scale_stride_kept, scale_stride_reduced,
                         EMAX: tl.constexpr, FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr,
                         EXPONENT_BIAS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_KEPT: tl.constexpr,
-                        BLOCKS_PER_PROGRAM: tl.constexpr):
+                        BLOCKS_PER_PROGRAM: tl.constexpr, ROUND_UP: tl.constexpr):
     """Blocks of BLOCK_SIZE along the reduced axis of a 2D view given by strides; program (i, j) handles kept
     indices i * BLOCK_KEPT + [0, BLOCK_KEPT) and blocks j * BLOCKS_PER_PROGRAM + [0, BLOCKS_PER_PROGRAM)."""
     kept = tl.program_id(0).to(tl.int64) * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)
@@ -42,7 +42,13 @@ def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
     x = tl.load(x_ptr + kept[:, None] * x_stride_kept + reduced[None, :] * x_stride_reduced, mask=mask, other=0.0)
     blocks_bits = tl.reshape(abs_bits(x), (BLOCK_KEPT, BLOCKS_PER_PROGRAM, BLOCK_SIZE))
     amax_bits = tl.max(blocks_bits, 2)  # (BLOCK_KEPT, BLOCKS_PER_PROGRAM); nan's bits sort above inf's
-    codes = tl.maximum((amax_bits >> 23) - EMAX, 0)  # numerics.scale_codes
+    if ROUND_UP:  # numerics.scale_codes, rceil: amax / FP8_MAX rounded up to a power of two
+        descale = tl.div_rn(amax_bits.to(tl.float32, bitcast=True), tl.full(amax_bits.shape, FP8_MAX, tl.float32))
+        descale_bits = descale.to(tl.int32, bitcast=True)
+        exponent, mantissa = descale_bits >> 23, descale_bits & 0x7FFFFF
+        codes = tl.where(exponent == 0, (mantissa > 0x400000).to(tl.int32), exponent + (mantissa != 0).to(tl.int32))
+    else:  # numerics.scale_codes, floor
+        codes = tl.maximum((amax_bits >> 23) - EMAX, 0)
     codes = tl.where(amax_bits >= 0x7F800000, _E8M0_NAN, codes)
     inverse_scale = (tl.maximum(254 - codes, 0) << 23).to(tl.float32, bitcast=True)  # numerics.inverse_scale_values
     inverse_scale = tl.where(codes == _E8M0_NAN, float("nan"), inverse_scale)
@@ -56,8 +62,10 @@ def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, num_kept, num_reduced,
     tl.store(scale_ptr + scale_offsets, codes.to(tl.uint8), mask=scale_mask)
 
 
-def triton_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int) -> tuple[Tensor, Tensor]:
-    """numerics.torch_quantize in one kernel, for `dim` the first or the last dim of x: (uint8 codes, data)."""
+def triton_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: int,
+                    rounding: str = "floor") -> tuple[Tensor, Tensor]:
+    """numerics.torch_quantize in one kernel, for `dim` the first or the last dim of x: (uint8 codes, data), scales
+    rounded as `rounding` ("floor" or "rceil") says."""
     check_blocks(x, block_size, dim)
     fmt = float8_format(elem_dtype)
     x_2d, along_last = view_2d_along(x, dim, "triton_quantize")
@@ -75,7 +83,7 @@ def triton_quantize(x: Tensor, block_size: int, elem_dtype: torch.dtype, dim: in
         codes_2d.stride(kept_axis), codes_2d.stride(reduced_axis),
         EMAX=fmt.max_exponent, FP8_MAX=fmt.max, MANTISSA_BITS=fmt.mantissa_bits,
         EXPONENT_BIAS=fmt.exponent_bias, BLOCK_SIZE=block_size, BLOCK_KEPT=block_kept,
-        BLOCKS_PER_PROGRAM=blocks_per_program)
+        BLOCKS_PER_PROGRAM=blocks_per_program, ROUND_UP=rounding == "rceil")
     codes_shape = list(x.shape)
     codes_shape[dim] //= block_size
     return codes_2d.view(codes_shape), data_2d.view(x.shape)

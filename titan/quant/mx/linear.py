@@ -24,11 +24,12 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
 from titan.quant.mx.blocked import to_blocked
-from titan.quant.mx.numerics import dequantize, quantize_codes
+from titan.quant.mx.numerics import ScaleRounding, dequantize, quantize_codes
 from titan.quant.quantized_linear import QuantizedLinear
 
-RECIPES = ("mxfp8",)
-"""MX recipes: mxfp8 = E4M3 elements in all three matmuls, blocks of 32, E8M0 scales."""
+RECIPES: dict[str, ScaleRounding] = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
+"""MX recipes, by their scale rounding (titan/quant/mx/numerics.py): E4M3 elements in all three matmuls, blocks of
+32, E8M0 scales rounded down (mxfp8, the OCP spec's) or up (mxfp8_rceil, torchao's training default)."""
 
 
 def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tensor, out_dtype: torch.dtype) -> Tensor:
@@ -42,14 +43,14 @@ def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tenso
     return out.to(out_dtype)
 
 
-def local_mx_mm(a: Tensor, b: Tensor, emulate: bool) -> Tensor:
+def local_mx_mm(a: Tensor, b: Tensor, emulate: bool, rounding: ScaleRounding) -> Tensor:
     """a (M, K) @ b (K, N) in MXFP8 for plain tensors, output in a's dtype. A contraction dim that is not a
     multiple of 32 (the tokens of grad_weight) is zero-padded: zeros change no block's amax and add nothing."""
     pad = -a.shape[1] % MX_BLOCK_SIZE
     if pad:
         a, b = F.pad(a, (0, pad)), F.pad(b, (0, 0, 0, pad))
-    a_codes, a_data = quantize_codes(a, MX_BLOCK_SIZE, E4M3, dim=-1)  # codes (M, K / 32)
-    b_codes, b_data = quantize_codes(b, MX_BLOCK_SIZE, E4M3, dim=0)  # codes (K / 32, N)
+    a_codes, a_data = quantize_codes(a, MX_BLOCK_SIZE, E4M3, -1, rounding)  # codes (M, K / 32)
+    b_codes, b_data = quantize_codes(b, MX_BLOCK_SIZE, E4M3, 0, rounding)  # codes (K / 32, N)
     if emulate:
         a_values = dequantize(a_codes, a_data, MX_BLOCK_SIZE, a.dtype, dim=-1)
         b_values = dequantize(b_codes, b_data, MX_BLOCK_SIZE, a.dtype, dim=0)
@@ -65,17 +66,17 @@ PRODUCT_PLACEMENTS: dict[tuple[Placement, Placement], Placement] = {
 }
 
 
-def mx_mm(a: Tensor, b: Tensor, emulate: bool) -> Tensor:
+def mx_mm(a: Tensor, b: Tensor, emulate: bool, rounding: ScaleRounding) -> Tensor:
     """a (M, K) @ b (K, N) in MXFP8, for plain tensors or DTensors on one TP mesh dim (multiplied shard by shard)."""
     if not isinstance(a, DTensor):
-        return local_mx_mm(a, b, emulate)
+        return local_mx_mm(a, b, emulate, rounding)
     # A pending sum (DTensor may hand backward a Partial gradient) must be reduced first: quantization is not linear.
     a, b = (t.redistribute(placements=[Replicate()]) if t.placements[0].is_partial() else t for t in (a, b))
     placements = (a.placements[0], b.placements[0])
     if a.device_mesh.ndim != 1 or placements not in PRODUCT_PLACEMENTS:
         raise NotImplementedError(f"MX matmul of DTensors placed {placements} on a {a.device_mesh.ndim}-D mesh: "
                                   f"only the layouts of colwise and rowwise tensor parallelism are supported.")
-    out = local_mx_mm(a.to_local(), b.to_local(), emulate)
+    out = local_mx_mm(a.to_local(), b.to_local(), emulate, rounding)
     return DTensor.from_local(out, a.device_mesh, [PRODUCT_PLACEMENTS[placements]], run_check=False)
 
 
@@ -84,17 +85,17 @@ class MXMatmul(torch.autograd.Function):
     and weight along each backward matmul's contraction dim."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, emulate: bool, rounding: ScaleRounding) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.emulate = emulate
-        return mx_mm(x, weight.t(), emulate)
+        ctx.emulate, ctx.rounding = emulate, rounding
+        return mx_mm(x, weight.t(), emulate, rounding)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         x, weight = ctx.saved_tensors
-        grad_input = mx_mm(grad, weight, ctx.emulate)
-        grad_weight = mx_mm(grad.t(), x, ctx.emulate)
-        return grad_input, grad_weight, None
+        grad_input = mx_mm(grad, weight, ctx.emulate, ctx.rounding)
+        grad_weight = mx_mm(grad.t(), x, ctx.emulate, ctx.rounding)
+        return grad_input, grad_weight, None, None
 
 
 class MXLinear(QuantizedLinear):
@@ -111,7 +112,7 @@ class MXLinear(QuantizedLinear):
     def matmul(self, x_2d: Tensor) -> Tensor:
         # In the input's dtype, as the native kernels multiply (autocast's bf16 x with an fp32 weight); autograd
         # casts the weight's gradient back.
-        return MXMatmul.apply(x_2d, self.weight.to(x_2d.dtype), self.emulate)
+        return MXMatmul.apply(x_2d, self.weight.to(x_2d.dtype), self.emulate, RECIPES[self.recipe_name])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, mx={self.recipe_name}{', emulated' if self.emulate else ''}"
