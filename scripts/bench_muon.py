@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--step-cost", action="store_true", help="time one optimizer step")
     parser.add_argument("--sweep", action="store_true", help="train with each optimizer at each --lrs value")
     parser.add_argument("--steps", type=int, default=300, help="training steps of each --sweep run")
-    parser.add_argument("--lrs", type=float, nargs="+", default=[4e-4, 8e-4, 1.6e-3, 3.2e-3])
+    parser.add_argument("--lrs", type=float, nargs="+", default=[8e-4, 1.6e-3, 3.2e-3, 6.4e-3, 1.28e-2])
     cli = parser.parse_args()
     if cli.step_cost or not cli.sweep:
         bench_step_cost()

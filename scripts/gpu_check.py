@@ -7,13 +7,13 @@
     python3 scripts/gpu_check.py --apply-section FILE   # paste a device run's gpu_check.md into docs/performance.md
 
 It runs on one CUDA GPU what CPU CI cannot: the tests that skip without CUDA, FlexAttention's compiled kernels,
-torch._grouped_mm, the bf16-state optimizer's compiled update, FSDP and CPU offload over one rank with a skipped NaN
-step, the trainer against a bare loop on the jobs of docs/performance.md, the 1B model's MFU, and torchtitan 0.3.0
-on the same 1B job (--proof, the default); --perf and --levers are issue 51's throughput rows, each a call of its
-own within a lent machine's minutes (SELECTIONS). It prints one line per check with its seconds, writes one table
-(device, torch, date, one row per check, failures marked) between the selection's gpu_check markers of
-docs/performance.md and into <log dir>/gpu_check.md, keeps every command's output in <log dir>/gpu_check.log, and
-exits 1 when any check failed.
+torch._grouped_mm, blockwise float8's native matmuls, the bf16-state optimizer's compiled update, FSDP and CPU
+offload over one rank with a skipped NaN step, the trainer against a bare loop on the jobs of docs/performance.md,
+the 1B model's MFU, and torchtitan 0.3.0 on the same 1B job (--proof, the default); --perf and --levers are issue
+51's throughput rows, each a call of its own within a lent machine's minutes (SELECTIONS). It prints one line per
+check with its seconds, writes one table (device, torch, date, one row per check, failures marked) between the
+selection's gpu_check markers of docs/performance.md and into <log dir>/gpu_check.md, keeps every command's output
+in <log dir>/gpu_check.log, and exits 1 when any check failed.
 
 The lent machine has no network: scripts/gpu_wheels.sh downloads, here, the wheels it lacks into .whl/. A session
 then runs DEVICE_COMMAND (below, and in docs/performance.md), one line, with the device tool's `run` and carry
@@ -44,13 +44,14 @@ from typing import TextIO
 import torch
 import torch.nn.functional as F
 import triton
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.elastic.utils.distributed import get_free_port
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_roofline import median_ms  # noqa: E402
 from levers import LEVERS  # noqa: E402
 from titan.data.dataset import SHIPPED_CORPUS  # noqa: E402
 from titan.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
@@ -62,6 +63,7 @@ from titan.models.common.attention import (  # noqa: E402
     build_dense_mask,
 )
 from titan.models.common.moe import READ_COUNTS, HighPrecisionMatmuls, grouped_mm_supported, swiglu_expert  # noqa: E402
+from titan.quant.float8.blockwise import Float8BlockwiseLinear  # noqa: E402
 from titan.train.bf16_state import adam_update, compiled_adam_update, rounding_keys  # noqa: E402
 
 DEVICE_COMMAND = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "
@@ -358,6 +360,47 @@ def grouped_mm_against_loop(device: torch.device) -> str:
     return f"output and grads within {max(ratios):.2f} of the bf16 tolerance; {num_experts} experts, one empty"
 
 
+def linear_outputs_and_grads(linear: nn.Module, x: Tensor, grad_output: Tensor) -> list[Tensor]:
+    """A linear's output on x, and the gradients of x and of its weight for grad_output (the weight's gradient is
+    cleared again, for the next call on a shared weight)."""
+    leaf = x.detach().requires_grad_()
+    output = linear(leaf)
+    output.backward(grad_output)
+    grad_weight, linear.weight.grad = linear.weight.grad, None
+    return [output.detach(), leaf.grad, grad_weight]
+
+
+def blockwise_native_against_emulated(device: torch.device) -> str:
+    """Blockwise float8's native matmuls (F.scaled_mm with 1 x 128 and 128 x 128 scales: cuBLASLt on Hopper) against
+    the same float8 values multiplied in fp32 (--float8.emulate), on an 8B FFN-shaped linear (4096 -> 14336, 4096
+    bf16 tokens): the relative error of output, grad_input and grad_weight (the native kernels accumulate per
+    128-wide block and write bf16: about 2^-9), and the time of a forward and backward against the bf16 linear."""
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        raise CheckFailed(f"blockwise float8 runs natively on Hopper (9.x) only; {torch.cuda.get_device_name(device)} "
+                          f"is not one (Titan refuses it there: tests/test_float8_blockwise.py)")
+    torch.manual_seed(0)
+    linears = [Float8BlockwiseLinear(4096, 14336, bias=False, emulate=emulate, device=device, dtype=torch.bfloat16)
+               for emulate in (False, True)]
+    nn.init.normal_(linears[0].weight, std=4096**-0.5)
+    linears[1].weight = linears[0].weight
+    x = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    grad_output = torch.randn(4096, 14336, device=device, dtype=torch.bfloat16)
+    native, emulated = (linear_outputs_and_grads(linear, x, grad_output) for linear in linears)
+    errors = {name: ((got.float() - want.float()).norm() / want.float().norm()).item()
+              for name, got, want in zip(("output", "grad_input", "grad_weight"), native, emulated)}
+    if max(errors.values()) > 1e-2:
+        raise CheckFailed(f"native blockwise float8 apart from its emulation: relative errors {errors}")
+    plain = nn.Linear(4096, 14336, bias=False, device=device, dtype=torch.bfloat16)
+
+    def forward_backward(linear: nn.Module) -> Callable[[], None]:
+        leaf = x.detach().requires_grad_()
+        return lambda: linear(leaf).backward(grad_output)
+    native_ms, bf16_ms = median_ms(forward_backward(linears[0])), median_ms(forward_backward(plain))
+    listed = ", ".join(f"{name} {error:.1e}" for name, error in errors.items())
+    return (f"relative error against the emulation: {listed}; forward and backward {native_ms:.2f} ms against bf16 "
+            f"{bf16_ms:.2f} ms ({bf16_ms / native_ms:.2f}x; eager: the tile casts are unfused torch ops)")
+
+
 def bf16_moments_apart(got: Tensor, want: Tensor) -> tuple[int, int]:
     """(elements that differ, their largest distance in bf16 steps) between two bf16 tensors: neighbouring bf16
     values of one sign are neighbouring int16 bit patterns; a sign flip counts as very far."""
@@ -582,6 +625,8 @@ CHECKS = [
           lambda session: flex_against_sdpa(torch.device("cuda"))),
     Check("grouped_mm", "torch._grouped_mm experts vs per-expert loop",
           lambda session: grouped_mm_against_loop(torch.device("cuda"))),
+    Check("blockwise", "blockwise float8 linear, native (Hopper) vs emulated, and its time against bf16",
+          lambda session: blockwise_native_against_emulated(torch.device("cuda"))),
     Check("bf16_adam", "bf16-state AdamW, compiled vs eager, and a NaN skip",
           lambda session: bf16_adam_compiled_against_eager(torch.device("cuda"))),
     Check("fsdp", "FSDP and CPU offload over one rank, NaN step skipped", check_fsdp_offload_nan_skip),
@@ -608,8 +653,8 @@ CHECKS = [
 ]
 
 SELECTIONS = {
-    "proof": ["tests", "flex", "grouped_mm", "bf16_adam", "fsdp", *(f"overhead_{job}" for job in OVERHEAD_JOBS),
-              "titan_1B", "titan_1B_fsdp", "torchtitan_1B"],
+    "proof": ["tests", "flex", "grouped_mm", "blockwise", "bf16_adam", "fsdp",
+              *(f"overhead_{job}" for job in OVERHEAD_JOBS), "titan_1B", "titan_1B_fsdp", "torchtitan_1B"],
     "perf": ["titan_1B_fsdp", "torchtitan_1B", "titan_1B_fsdp_compiled", "torchtitan_1B_compiled",
              "titan_1B_recommended"],
     "levers": ["titan_1B_fsdp", *(f"lever_{name}" for name in LEVERS), "torchtitan_1B_cuda_graphs"],

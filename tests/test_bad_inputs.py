@@ -256,7 +256,7 @@ CASES: dict[str, Case] = {
     "ac_option_zero": Case(["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option",
                             "0"], "--activation_checkpoint.selective_ac_option"),
     # [float8], [mx], [compile]
-    "float8_recipe_unknown": flag("float8.recipe_name", "blockwise"),
+    "float8_recipe_unknown": flag("float8.recipe_name", "columnwise"),
     "float8_filter_typo": Case(["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns", "outptu"],
                                "--float8.filter_fqns 'outptu'"),
     "float8_filter_renamed_layer": Case(["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns",

@@ -18,7 +18,7 @@ from titan.estimate.fake_cuda import cuda_refusal, sdpa_backend
 from titan.estimate.report import format_report
 from titan.estimate.simulate import DryRunResult, run_dry_run
 from titan.estimate.trace import SCALED_MM_V2, op_flops, precision_class
-from titan.models.llama.args import LLAMA3_FLAVORS
+from titan.models.llama.args import LLAMA3_FLAVORS, ffn_hidden_dim
 from titan.models.llama.model import Transformer, TransformerBlock
 from titan.train.muon import least_loaded_owners, matrix_cost
 from titan.validate import load_job_config
@@ -280,6 +280,23 @@ def test_experts_fsdp_inside_checkpointed_blocks_dry_run_on_the_simulated_gpu(gp
     dim = hidden = 256
     expected = 12 * 2 * dim * hidden * 6 * padded_rows
     assert sum(op.flops for op in result.ops if op.precision == "fp8") == expected
+
+
+def test_blockwise_float8_linears_run_natively_on_the_simulated_hopper() -> None:
+    """--float8.recipe_name blockwise on a simulated H100: every converted linear's three matmuls are
+    F.scaled_mm calls with 1 x 128 and 128 x 128 scales, whose meta checks (row-major and column-major operands,
+    column-major scales, the weight's scales padded to 4 blocks) a GPU applies, counted at the float8 peak: 42 linears
+    (the 2256-row output is skipped: not a multiple of 128) x 3 matmuls x 2 x 2048 tokens x in x out."""
+    cfg = load_job_config(["--job.config_file", str(ROOT / "configs" / "debug_model.toml"),
+                           "--training.mixed_precision_param", "bfloat16", "--model.converters", "float8",
+                           "--float8.recipe_name", "blockwise", "--job.dry_run"], 1)
+    result = run_dry_run(cfg, 1, rank=0)
+    args = LLAMA3_FLAVORS["debugmodel"]
+    kv = args.n_kv_heads * args.dim // args.n_heads
+    hidden = ffn_hidden_dim(args)
+    per_layer = args.dim * (2 * args.dim + 2 * kv) + 3 * args.dim * hidden
+    tokens = cfg.training.local_batch_size * cfg.training.seq_len
+    assert sum(op.flops for op in result.ops if op.precision == "fp8") == 3 * 2 * tokens * per_layer * args.n_layers
 
 
 def test_pipelined_experts_fsdp_inside_recording_checkpoints_dry_runs_on_the_simulated_gpu() -> None:

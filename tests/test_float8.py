@@ -241,7 +241,7 @@ class Toy(nn.Module):
 
 def test_conversion_rules_and_report() -> None:
     model = Toy()
-    decisions = {d.fqn: d for d in apply_float8(model, Float8())}
+    decisions = {d.fqn: d for d in apply_float8(model, Float8(), 1)}
     assert isinstance(model.proj, Float8Linear) and isinstance(model.small, Float8Linear)
     assert type(model.odd) is nn.Linear and type(model.output) is nn.Linear
     assert "not divisible by 16" in decisions["odd"].result
@@ -252,14 +252,14 @@ def test_conversion_rules_and_report() -> None:
 
 def test_filters_are_user_controlled() -> None:
     model = Toy()
-    decisions = {d.fqn: d for d in apply_float8(model, Float8(filter_fqns=["proj"]))}
+    decisions = {d.fqn: d for d in apply_float8(model, Float8(filter_fqns=["proj"]), 1)}
     assert isinstance(model.output, Float8Linear)  # the default filter was replaced
     assert "'proj'" in decisions["proj"].result
 
 
 def test_auto_filter_small_kdims() -> None:
     model = Toy()
-    decisions = {d.fqn: d for d in apply_float8(model, Float8(auto_filter_small_kdims=True, filter_fqns=[]))}
+    decisions = {d.fqn: d for d in apply_float8(model, Float8(auto_filter_small_kdims=True, filter_fqns=[]), 1)}
     assert "too small" in decisions["small"].result and "too small" in decisions["proj"].result
     assert not any(d.converted for d in decisions.values())
 
@@ -267,7 +267,7 @@ def test_auto_filter_small_kdims() -> None:
 def test_conversion_works_on_meta() -> None:
     with torch.device("meta"):
         model = Toy()
-    apply_float8(model, Float8())
+    apply_float8(model, Float8(), 1)
     assert model.proj.weight.is_meta
 
 

@@ -251,7 +251,7 @@ def test_converters_take_the_experts_and_report_them() -> None:
     assert f"{share:.1f}% of the weight matmuls' FLOPs per token (a token's top_k experts' among them) run" in report
 
     model = qwen3_moe_on_meta()
-    decisions = apply_float8(model, Float8(emulate=True, moe_fqns_prototype=[]))
+    decisions = apply_float8(model, Float8(emulate=True, moe_fqns_prototype=[]), 1)
     assert all(type(moe.experts.matmuls) is HighPrecisionMatmuls for moe in moe_layers(model).values())
     assert "skipped: not matched by --float8.moe_fqns_prototype (empty)" in {d.result for d in decisions}
 
@@ -260,7 +260,7 @@ def test_experts_a_recipe_cannot_take_are_skipped() -> None:
     """Both dims of an expert are contracted (dim by w1 and w3, hidden by w2): 40 is no multiple of 16."""
     with torch.device("meta"):
         model = torch.nn.ModuleDict({"moe": MoE(48, MoEArgs(num_experts=4, top_k=2, hidden_dim=40))})
-    decisions = apply_float8(model, Float8(emulate=True))
+    decisions = apply_float8(model, Float8(emulate=True), 1)
     assert [d.result for d in decisions if d.num_experts] == [
         "skipped: 40x48 not divisible by 16 (the grouped kernels need it)"]
 

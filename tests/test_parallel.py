@@ -61,6 +61,11 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 # float8 matmuls are slow and CPUs have no MX matmul; native _scaled_mm is covered by tests/test_float8.py.
 FLOAT8 = ["--model.converters", "float8", "--float8.emulate", "--float8.filter_fqns"]
 MX = ["--model.converters", "mx", "--mx.emulate", "--mx.filter_fqns"]
+# Blockwise float8 (DeepSeek-V3's 1 x 128 and 128 x 128 scales), emulated. wk and wv (128 rows) stay in high
+# precision in every layout: TP 2 could not split them into whole 128-row blocks, and the reference must convert what
+# the layouts convert.
+BLOCKWISE = ["--model.converters", "float8", "--float8.emulate", "--float8.recipe_name", "blockwise",
+             "--float8.filter_fqns", "wk", "wv"]
 AOT_EAGER = ["--compile.backend", "aot_eager"]
 ACCUMULATE = ["--training.local_batch_size", "4", "--training.global_batch_size", "8"]
 BF16_STATE = ["--optimizer.state_dtype", "bfloat16"]
@@ -86,6 +91,10 @@ QWEN3_MOE_LOW_PRECISION = [
     "--float8.filter_fqns", "output", "attention", "--float8.moe_fqns_prototype", "layers.0.", "layers.1.", "layers.2.",
     "--mx.emulate", "--mx.filter_fqns", "output", "attention", "--mx.moe_fqns_prototype", "layers.3.", "layers.4.",
     "layers.5."]
+# The experts in blockwise float8 (emulated grouped matmuls: tiles per token row, 128-row tiles down each expert's
+# padded tokens and 128 x 128 blocks per expert, none of which depends on the ranks' split of the batch).
+QWEN3_MOE_BLOCKWISE = [*QWEN3_MOE, "--model.converters", "float8", "--float8.emulate", "--float8.recipe_name",
+                       "blockwise", "--float8.filter_fqns", "output", "attention"]
 DEEPSEEK_V3_LOW_PRECISION = [  # block 0 is dense; blocks 1 and 2 have experts
     *DEEPSEEK_V3, "--model.converters", "float8", "mx", "--float8.emulate", "--float8.recipe_name", "rowwise",
     "--float8.filter_fqns", "output", "attention", "feed_forward", "shared_experts", "--float8.moe_fqns_prototype",
@@ -135,7 +144,8 @@ LAYOUTS = {
     # ranks of 2 sequences each (and each layout's local batch x data-parallel degree).
     **layouts(1, None, ref=["--training.local_batch_size", "4"], ref_accumulate=ACCUMULATE,
               ref_float8=["--training.local_batch_size", "4", *FLOAT8],
-              ref_mx=["--training.local_batch_size", "4", *MX]),
+              ref_mx=["--training.local_batch_size", "4", *MX],
+              ref_blockwise=["--training.local_batch_size", "4", *BLOCKWISE]),
     # FSDP2 over a one-rank mesh in one process (--parallelism.force_fsdp), and CPU offload, which forces it there:
     # the sharded (DTensor) code of multi-GPU runs, as one GPU runs it.
     **layouts(1, fsdp1=["--training.local_batch_size", "4", "--parallelism.force_fsdp"],
@@ -182,6 +192,9 @@ LAYOUTS = {
               cp2_float8=["--training.local_batch_size", "4", *CP2, *FLOAT8]),
     **layouts(2, "ref_mx", fsdp2_mx=["--training.local_batch_size", "2", *FSDP2, *MX],
               tp2_mx=["--training.local_batch_size", "4", *TP2, *MX]),
+    **layouts(2, "ref_blockwise", fsdp2_blockwise=["--training.local_batch_size", "2", *FSDP2, *BLOCKWISE],
+              tp2_blockwise=["--training.local_batch_size", "4", *TP2, *BLOCKWISE],
+              cp2_blockwise=["--training.local_batch_size", "4", *CP2, *BLOCKWISE]),
     # bfloat16 optimizer state: sharded moments, each FSDP rank rounding its own shard with its own random bits.
     **layouts(1, None, ref_bf16_state=["--training.local_batch_size", "4", *BF16_STATE]),
     # Under TP some gradients come back in another layout than their parameters (Partial norms, the output layer).
@@ -235,7 +248,10 @@ LAYOUTS = {
     # The experts' low-precision grouped matmuls under EP 2 (which FSDP-shards the dense layers over its 2 ranks) and
     # EP 2 x expert FSDP 2 (dense FSDP over 4).
     **layouts(1, None, ref_qwen3_moe_low_precision=["--training.local_batch_size", "4", *QWEN3_MOE_LOW_PRECISION],
-              ref_deepseek_v3_low_precision=["--training.local_batch_size", "4", *DEEPSEEK_V3_LOW_PRECISION]),
+              ref_deepseek_v3_low_precision=["--training.local_batch_size", "4", *DEEPSEEK_V3_LOW_PRECISION],
+              ref_qwen3_moe_blockwise=["--training.local_batch_size", "4", *QWEN3_MOE_BLOCKWISE]),
+    **layouts(4, "ref_qwen3_moe_blockwise",
+              qwen3_moe_blockwise_ep2_fsdp2=["--training.local_batch_size", "1", *QWEN3_MOE_BLOCKWISE, *EP2]),
     **layouts(2, "ref_qwen3_moe_low_precision",
               qwen3_moe_low_precision_ep2=["--training.local_batch_size", "2", *QWEN3_MOE_LOW_PRECISION, *EP2]),
     **layouts(4, "ref_qwen3_moe_low_precision",
@@ -708,6 +724,11 @@ FIRST_STEP_RTOL = {
     # Each CP rank scales its activations by the amax of its own half of every sequence (as torchao does: no
     # all-reduce per linear), so float8 rounding differs from step 1 on; measured 1.5e-4 relative.
     "cp2_float8": 1e-3,
+    # Blockwise scales are per 128 elements of a token row or of a weight, whatever a rank's share of the batch; the
+    # weight gradient's tiles down the tokens differ under CP (another mix of sequences), but only in the backward.
+    "fsdp2_blockwise": 1e-5,
+    "tp2_blockwise": 1e-5,
+    "cp2_blockwise": 1e-5,
 }
 
 
@@ -756,20 +777,23 @@ def test_bf16_optimizer_state_keeps_tp_replicated_parameters_identical(runs: Cas
 
 @pytest.mark.parametrize("case", ["qwen3_moe_low_precision_ep2", "qwen3_moe_low_precision_ep2_fsdp2",
                                   "deepseek_v3_low_precision_ep2", "deepseek_v3_low_precision_ep2_fsdp2",
-                                  "gpt_oss_low_precision_ep2_fsdp2"])
+                                  "gpt_oss_low_precision_ep2_fsdp2", "qwen3_moe_blockwise_ep2_fsdp2"])
 def test_experts_in_low_precision_match_one_process(runs: CaseResults, case: str) -> None:
     """Each rank quantizes the tokens its experts receive from every EP rank, which are one process's tokens of
     those experts in the same order, so each expert's scales and products are one process's: the losses agree to
     1e-5. The gradients reaching the experts differ from one process's by reduction-order noise (1e-7), which can
     move a value across a float8 rounding boundary (e4m3 steps are 2^-3 relative) and Adam turns such a near-zero
     gradient difference into an lr-sized step: at most 0.8% of any weight's elements end up more than 1e-4 apart
-    (measured), where a wrong expert, gradient or update would move most of them."""
+    (measured), where a wrong expert, gradient or update would move most of them. Blockwise experts write their
+    products and gradients in bf16 (torchao's emulation), whose 2^-9 steps such noise crosses more often: 2.3%
+    (measured)."""
     got, reference = runs[case], runs[LAYOUTS[case].reference]
     torch.testing.assert_close(got["losses"], reference["losses"], rtol=1e-5, atol=0)
     assert got["val_loss"] == pytest.approx(reference["val_loss"], rel=1e-5)
+    most_apart = 0.05 if "blockwise" in case else 0.02
     for name, value in reference["weights"].items():
         apart = ((got["weights"][name] - value).abs() > 1e-4).float().mean().item()
-        assert apart < 0.02, (name, apart)
+        assert apart < most_apart, (name, apart)
     assert all(record["grad_norm"] > 0 for record in reference["metrics"])
 
 

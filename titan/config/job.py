@@ -439,11 +439,13 @@ class ActivationCheckpoint:
 
 @dataclass
 class Float8:
-    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    recipe_name: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"] = "tensorwise"
     """Scale granularity (torchao's recipes): tensorwise, one scale per tensor (fastest); rowwise, one power-of-2
     scale per row of each operand (more accurate, slower); rowwise_with_gw_hp, power-of-2 scales per row, one
-    for the weight in grad_input, and the weight-gradient matmul in high precision (most accurate). Per-operand
-    table: docs/float8.md."""
+    for the weight in grad_input, and the weight-gradient matmul in high precision (most accurate); blockwise,
+    DeepSeek-V3's: a scale per 1 x 128 tile of activations and gradients and per 128 x 128 block of weights (native
+    on Hopper only; layers whose dims are not multiples of 128 stay in high precision). Per-operand table:
+    docs/float8.md."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
     """Keep linears whose FQN contains one of these substrings in high precision. Default: the vocab-sized
     output projection (accuracy-sensitive). Pass the flag with no value to convert it too."""

@@ -13,10 +13,12 @@ from titan.config.errors import ConfigError
 from titan.config.job import MX, NVFP4, Float8
 from titan.metrics.log import logger
 from titan.models.common.moe import ExpertMatmuls, GroupedExperts, HighPrecisionMatmuls, MoE, moe_layers
+from titan.quant.float8.blockwise import Float8BlockwiseLinear
+from titan.quant.float8.blockwise_grouped import BLOCKWISE_GROUP_ALIGNMENT, BlockwiseExpertMatmuls
 from titan.quant.float8.fsdp import apply_float8_all_gather, precompute_float8_scales
 from titan.quant.float8.grouped import FLOAT8_GROUP_ALIGNMENT, Float8ExpertMatmuls
 from titan.quant.float8.linear import Float8Linear
-from titan.quant.formats import MX_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
+from titan.quant.formats import FLOAT8_BLOCK_SIZE, MX_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
 from titan.quant.mx.grouped import MX_GROUP_ALIGNMENT, MXExpertMatmuls
 from titan.quant.mx.linear import MXLinear
 from titan.quant.nvfp4.linear import NVFP4Linear
@@ -67,12 +69,28 @@ def indivisible_reason(rows: int, cols: int, multiple: int, divisor: str) -> str
     return None
 
 
-def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8) -> str | None:
-    """Why `linear` must stay in high precision under `cfg`, or None if it converts."""
+def shard_blocks_reason(rows: int, cols: int, block: int, tp_degree: int, blocks: str) -> str | None:
+    """The skip reason when a rows x cols weight's `tp_degree` TP shards do not hold whole blocks of `block` along
+    both dims (each is some matmul's contraction dim, and every rank quantizes its own shard), else None."""
+    shard_multiple = block * tp_degree
+    if rows % shard_multiple or cols % shard_multiple:
+        return f"skipped: {rows}x{cols} does not split into {tp_degree} TP shards of whole {blocks}"
+    return None
+
+
+def float8_skip_reason(fqn: str, linear: nn.Linear, cfg: Float8, tp_degree: int) -> str | None:
+    """Why `linear` must stay in high precision under `cfg` on a `tp_degree`-way TP mesh, or None if it converts."""
     out_features, in_features = linear.weight.shape
-    reason = (filter_reason(fqn, cfg.filter_fqns, "--float8.filter_fqns")
-              or indivisible_reason(out_features, in_features, FLOAT8_DIM_MULTIPLE,
-                                    f"{FLOAT8_DIM_MULTIPLE} (float8 matmuls need it)"))
+    filtered = filter_reason(fqn, cfg.filter_fqns, "--float8.filter_fqns")
+    if filtered:
+        return filtered
+    if cfg.recipe_name == "blockwise":
+        return (indivisible_reason(out_features, in_features, FLOAT8_BLOCK_SIZE,
+                                   f"{FLOAT8_BLOCK_SIZE} (blockwise float8's tiles and blocks)")
+                or shard_blocks_reason(out_features, in_features, FLOAT8_BLOCK_SIZE, tp_degree,
+                                       f"{FLOAT8_BLOCK_SIZE}-element blockwise float8 tiles"))
+    reason = indivisible_reason(out_features, in_features, FLOAT8_DIM_MULTIPLE,
+                                f"{FLOAT8_DIM_MULTIPLE} (float8 matmuls need it)")
     if reason:
         return reason
     limits = SMALL_LINEAR_LIMITS[cfg.recipe_name]
@@ -87,14 +105,9 @@ def mx_skip_reason(fqn: str, linear: nn.Linear, cfg: MX, tp_degree: int) -> str 
     # Both dims are contracted by some matmul (in by the output, out by grad_input), so both need whole blocks.
     reason = (filter_reason(fqn, cfg.filter_fqns, "--mx.filter_fqns")
               or indivisible_reason(out_features, in_features, MX_BLOCK_SIZE, f"the MX block size {MX_BLOCK_SIZE}"))
-    if reason:
-        return reason
     # TP splits one of the two dims; every rank quantizes its shard, so a shard must hold whole blocks too.
-    shard_multiple = MX_BLOCK_SIZE * tp_degree
-    if out_features % shard_multiple or in_features % shard_multiple:
-        return (f"skipped: {out_features}x{in_features} does not split into {tp_degree} TP shards of whole "
-                f"{MX_BLOCK_SIZE}-element MX blocks")
-    return None
+    return reason or shard_blocks_reason(out_features, in_features, MX_BLOCK_SIZE, tp_degree,
+                                         f"{MX_BLOCK_SIZE}-element MX blocks")
 
 
 def last_blocks(model: nn.Module, fraction: float) -> set[str]:
@@ -178,18 +191,34 @@ def swap_linears(model: nn.Module, skip_reason: Callable[[str, nn.Linear], str |
     return decisions
 
 
-def apply_float8(model: nn.Module, cfg: Float8) -> list[LayerDecision]:
-    """Swap every eligible nn.Linear of `model` for a Float8Linear and give eligible experts float8 grouped
-    matmuls, in place; one decision per linear and per MoE layer's experts."""
+def float8_group_alignment(cfg: Float8) -> int:
+    """Rows per token-block step of the float8 experts, and what their weights' dims must be multiples of."""
+    return BLOCKWISE_GROUP_ALIGNMENT if cfg.recipe_name == "blockwise" else FLOAT8_GROUP_ALIGNMENT
+
+
+def apply_float8(model: nn.Module, cfg: Float8, tp_degree: int) -> list[LayerDecision]:
+    """Swap every eligible nn.Linear of `model` for a Float8Linear (Float8BlockwiseLinear for the blockwise recipe)
+    and give eligible experts float8 grouped matmuls, in place; one decision per linear and per MoE layer's experts."""
     emulated = " (emulated)" if cfg.emulate else ""
-    linears = swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg),
-                           lambda linear: Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name,
-                                                                   emulate=cfg.emulate),
+    blockwise = cfg.recipe_name == "blockwise"
+
+    def build(linear: nn.Linear) -> nn.Linear:
+        if blockwise:
+            return Float8BlockwiseLinear.from_linear(linear, emulate=cfg.emulate)
+        return Float8Linear.from_linear(linear, recipe_name=cfg.recipe_name, emulate=cfg.emulate)
+
+    if blockwise:
+        # No blockwise grouped kernel runs here (titan/quant/float8/blockwise_grouped.py): say so, natively too.
+        matmuls = BlockwiseExpertMatmuls()
+        grouped = (f"float8 blockwise grouped, token groups padded to {BLOCKWISE_GROUP_ALIGNMENT}, emulated: bf16 "
+                   f"grouped matmuls of the dequantized values (no blockwise grouped kernel; slower than bf16)")
+    else:
+        matmuls = Float8ExpertMatmuls(cfg.recipe_name, cfg.emulate)
+        grouped = f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}{emulated}"
+    linears = swap_linears(model, lambda fqn, linear: float8_skip_reason(fqn, linear, cfg, tp_degree), build,
                            f"float8 {cfg.recipe_name}{emulated}")
-    experts = convert_experts(model, cfg.moe_fqns_prototype, "--float8.moe_fqns_prototype", FLOAT8_GROUP_ALIGNMENT,
-                              Float8ExpertMatmuls(cfg.recipe_name, cfg.emulate),
-                              f"float8 {cfg.recipe_name} grouped, token groups padded to {FLOAT8_GROUP_ALIGNMENT}"
-                              f"{emulated}")
+    experts = convert_experts(model, cfg.moe_fqns_prototype, "--float8.moe_fqns_prototype",
+                              float8_group_alignment(cfg), matmuls, grouped)
     return linears + experts
 
 
@@ -225,11 +254,11 @@ def check_disjoint_converters(model: nn.Module, float8: Float8, mx: MX, tp_degre
     """Raise a ConfigError naming the linears and experts that float8 and mx would both convert: a layer takes one
     recipe."""
     linears = [fqn for fqn, module in model.named_modules() if type(module) is nn.Linear
-               and float8_skip_reason(fqn, module, float8) is None
+               and float8_skip_reason(fqn, module, float8, tp_degree) is None
                and mx_skip_reason(fqn, module, mx, tp_degree) is None]
     experts = [f"{fqn}.experts" for fqn, moe in moe_layers(model).items()
                if expert_skip_reason(f"{fqn}.experts", moe.experts, float8.moe_fqns_prototype, "",
-                                     FLOAT8_GROUP_ALIGNMENT) is None
+                                     float8_group_alignment(float8)) is None
                and expert_skip_reason(f"{fqn}.experts", moe.experts, mx.moe_fqns_prototype, "",
                                       MX_GROUP_ALIGNMENT) is None]
     problems = []
@@ -313,7 +342,7 @@ def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx
         check_disjoint_converters(model, float8, mx, tp_degree)
     decisions: list[LayerDecision] = []
     if "float8" in converters:
-        decisions += apply_float8(model, float8)
+        decisions += apply_float8(model, float8, tp_degree)
     if "mx" in converters:
         decisions += apply_mx(model, mx, tp_degree)
     if "nvfp4" in converters:

@@ -19,6 +19,10 @@ EPS = 1e-12
 max / EPS instead of max / 0 = inf, whose 0 * inf would make every element nan. Applied to the fp32 amax, so the
 floor in effect is 1e-12 rounded to fp32. max / EPS (< 6e16 for E5M2) stays far inside fp32 range."""
 
+FLOAT8_BLOCK_SIZE = 128
+"""Side of blockwise float8's tiles (1 x 128 for activations and gradients) and blocks (128 x 128 for weights):
+DeepSeek-V3's recipe, torchao's blockwise_fp8_training, and the weight_scale_inv grid of DeepSeek's FP8 checkpoints."""
+
 MX_BLOCK_SIZE = 32
 """Elements per shared scale: the MX spec's block size k for every concrete MX format."""
 E8M0_NAN = 0xFF

@@ -1,8 +1,35 @@
 """QuantizedLinear: the nn.Linear shell that every low-precision converter's linear shares. Subclasses supply
-`matmul`, the (tokens, in_features) @ weight^T product with their own quantization and autograd."""
+`matmul`, the (tokens, in_features) @ weight^T product with their own quantization and autograd. Also the
+shard-by-shard product that the block-quantized recipes (MX, blockwise float8) run under tensor parallelism."""
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+# (a's placement, b's placement) -> the product's, for the layouts of Megatron TP's colwise and rowwise linears
+PRODUCT_PLACEMENTS: dict[tuple[Placement, Placement], Placement] = {
+    (Replicate(), Shard(1)): Shard(1),  # colwise output, rowwise grad_input and grad_weight: split N
+    (Shard(0), Replicate()): Shard(0),  # colwise grad_weight: split rows of g^T
+    (Shard(1), Shard(0)): Partial(),  # rowwise output, colwise grad_input: split K, sum over ranks
+}
+
+
+def multiply_shards(a: Tensor, b: Tensor, local_mm: Callable[[Tensor, Tensor], Tensor], recipe: str) -> Tensor:
+    """a (M, K) @ b (K, N) by `local_mm` (a block-quantized product of plain tensors), for plain tensors or DTensors
+    on one TP mesh dim, multiplied shard by shard. That is the whole tensors' quantization because the converters
+    convert only layers whose TP shards hold whole blocks (titan/quant/convert.py), so no block spans two ranks."""
+    if not isinstance(a, DTensor):
+        return local_mm(a, b)
+    # A pending sum (DTensor may hand backward a Partial gradient) must be reduced first: quantization is not linear.
+    a, b = (t.redistribute(placements=[Replicate()]) if t.placements[0].is_partial() else t for t in (a, b))
+    placements = (a.placements[0], b.placements[0])
+    if a.device_mesh.ndim != 1 or placements not in PRODUCT_PLACEMENTS:
+        raise NotImplementedError(f"{recipe} matmul of DTensors placed {placements} on a {a.device_mesh.ndim}-D "
+                                  f"mesh: only the layouts of colwise and rowwise tensor parallelism are supported.")
+    out = local_mm(a.to_local(), b.to_local())
+    return DTensor.from_local(out, a.device_mesh, [PRODUCT_PLACEMENTS[placements]], run_check=False)
 
 
 class QuantizedLinear(nn.Linear):

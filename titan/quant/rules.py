@@ -21,6 +21,9 @@ FLOAT8_MIN_CAPABILITY = (8, 9)
 """torch._scaled_mm in float8 (the linears, tensorwise and rowwise): 8.9 and newer (Ada, Hopper, Blackwell)."""
 MX_MIN_CAPABILITY = (10, 0)
 """torch._scaled_mm with block scales (MX and NVFP4 linears, cuBLAS's block-scaled GEMMs): Blackwell, 10.0 and newer."""
+BLOCKWISE_MAJORS = (9,)
+"""torch.nn.functional.scaled_mm with 1 x 128 and 128 x 128 float8 scales (blockwise float8's linears): Hopper alone
+(its CUDA code checks major == 9, and cuBLASLt 12.9 or newer)."""
 FLOAT8_GROUPED_MAJORS = (9,)
 """torch._scaled_grouped_mm in float8 (the experts): its rowwise kernel is built for Hopper alone. The op's own check
 also lets 10.x through, which then has no kernel for it (PLATFORM_SUPPORTS_FP8_GROUPED_GEMM: SM90 and not SM100)."""
@@ -102,13 +105,39 @@ def check_float8_all_gather(float8: Float8, parallelism: Parallelism, training: 
 
 
 def check_float8_hardware(model: Model, float8: Float8, accelerator: Accelerator) -> str | None:
-    if "float8" not in model.converters or float8.emulate or not accelerator.is_cuda:
+    if "float8" not in model.converters or float8.emulate:
         return None
-    if accelerator.capability >= FLOAT8_MIN_CAPABILITY:
+    if float8.recipe_name == "blockwise":
+        return blockwise_problem(accelerator)
+    if not accelerator.is_cuda or accelerator.capability >= FLOAT8_MIN_CAPABILITY:
         return None
     return (f"--model.converters float8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
             f"{accelerator.describe()}. Add --float8.emulate to run the same quantization with high-precision "
             f"matmuls.")
+
+
+def blockwise_problem(accelerator: Accelerator) -> str | None:
+    """The problem with blockwise float8's native linears on `accelerator`, or None on Hopper: torch's blockwise
+    scaled_mm (cuBLASLt's DeepSeek-style kernels) checks for compute capability 9.x, and the CPU has none."""
+    if accelerator.is_cuda and accelerator.capability[0] in BLOCKWISE_MAJORS:
+        return None
+    blackwell = (" On Blackwell, --model.converters mx (MXFP8, blocks of 32) is the native block-scaled recipe."
+                 if accelerator.is_cuda and accelerator.capability >= MX_MIN_CAPABILITY else "")
+    or_simulate = ", or dry-run with --estimate.gpu H100" if accelerator.simulated else ""
+    return (f"--float8.recipe_name blockwise runs natively only on NVIDIA Hopper GPUs (compute capability 9.x: H100, "
+            f"H200), the only ones torch 2.11 to 2.13 build its blockwise float8 matmuls for; "
+            f"{accelerator.describe()}.{blackwell} Add --float8.emulate to run the same blockwise quantization with "
+            f"high-precision matmuls{or_simulate}.")
+
+
+def check_float8_blockwise_options(model: Model, float8: Float8) -> str | None:
+    """auto_filter_small_kdims skips layers by torchao's measured speed-up thresholds, which exist for tensorwise
+    and rowwise only."""
+    if "float8" not in model.converters or float8.recipe_name != "blockwise" or not float8.auto_filter_small_kdims:
+        return None
+    return ("--float8.auto_filter_small_kdims has no size thresholds for --float8.recipe_name blockwise (torchao "
+            "publishes them for tensorwise and rowwise); drop it, and keep small layers in high precision with "
+            "--float8.filter_fqns.")
 
 
 def converts_experts(model: Model, converter: str, section: Float8 | MX) -> bool:
@@ -121,8 +150,8 @@ def converts_experts(model: Model, converter: str, section: Float8 | MX) -> bool
 def check_float8_experts_hardware(model: Model, float8: Float8, accelerator: Accelerator) -> str | None:
     """Float8 experts multiply with torch._scaled_grouped_mm, whose float8 kernel runs on Hopper alone, and which has
     none for the CPU (the dense float8 linears' torch._scaled_mm runs from Ada on, and on the CPU)."""
-    if not converts_experts(model, "float8", float8):
-        return None
+    if not converts_experts(model, "float8", float8) or float8.recipe_name == "blockwise":
+        return None  # blockwise experts run their emulated form everywhere (titan/quant/float8/blockwise_grouped.py)
     if accelerator.is_cuda and accelerator.capability[0] in FLOAT8_GROUPED_MAJORS:
         return None
     blackwell = (" On this Blackwell GPU, convert the experts with --model.converters mx (MXFP8 grouped matmuls) "
@@ -143,7 +172,8 @@ def check_float8_tokens(model: Model, float8: Float8, training: Training, parall
     """CUDA's float8 matmuls need each dim divisible by 16. The weight-gradient matmul (grad_output^T @ input)
     contracts over the tokens of one backward: under PP a pipeline micro-batch's, under CP this rank's 1/cp share
     of each sequence. CPU's _scaled_mm takes any size."""
-    if "float8" not in model.converters or float8.emulate or not accelerator.is_cuda:
+    if ("float8" not in model.converters or float8.emulate or not accelerator.is_cuda
+            or float8.recipe_name == "blockwise"):  # blockwise pads grad_weight's tokens to its 128-row tiles
         return None
     par = parallelism
     cp, tp = par.context_parallel_degree, par.tensor_parallel_degree

@@ -12,20 +12,20 @@ Native: torch._scaled_mm with E8M0 scales on CUDA SM100+ (Blackwell's block-scal
 Emulated (`--mx.emulate`): the same quantized values, dequantized and multiplied in the input's dtype, which holds
 every MXFP8 value exactly (a 4-bit significand times a power of two); for CPU and pre-Blackwell GPUs.
 
-Under tensor parallelism the operands are DTensors; each rank quantizes and multiplies its own shards. That is the
-global quantization because the converter only converts layers whose TP shards hold whole blocks
-(titan/quant/convert.py), so no block spans two ranks.
+Under tensor parallelism the operands are DTensors; each rank quantizes and multiplies its own shards
+(titan/quant/quantized_linear.py multiply_shards).
 """
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.mx.numerics import ScaleRounding, dequantize, quantize_codes
-from titan.quant.quantized_linear import QuantizedLinear
+from titan.quant.quantized_linear import QuantizedLinear, multiply_shards
 
 RECIPES: dict[str, ScaleRounding] = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 """MX recipes, by their scale rounding (titan/quant/mx/numerics.py): E4M3 elements in all three matmuls, blocks of
@@ -58,26 +58,9 @@ def local_mx_mm(a: Tensor, b: Tensor, emulate: bool, rounding: ScaleRounding) ->
     return native_mx_mm(a_codes, a_data, b_codes, b_data, a.dtype)
 
 
-# (a's placement, b's placement) -> the product's, for the layouts of Megatron TP's colwise and rowwise linears
-PRODUCT_PLACEMENTS: dict[tuple[Placement, Placement], Placement] = {
-    (Replicate(), Shard(1)): Shard(1),  # colwise output, rowwise grad_input and grad_weight: split N
-    (Shard(0), Replicate()): Shard(0),  # colwise grad_weight: split rows of g^T
-    (Shard(1), Shard(0)): Partial(),  # rowwise output, colwise grad_input: split K, sum over ranks
-}
-
-
 def mx_mm(a: Tensor, b: Tensor, emulate: bool, rounding: ScaleRounding) -> Tensor:
     """a (M, K) @ b (K, N) in MXFP8, for plain tensors or DTensors on one TP mesh dim (multiplied shard by shard)."""
-    if not isinstance(a, DTensor):
-        return local_mx_mm(a, b, emulate, rounding)
-    # A pending sum (DTensor may hand backward a Partial gradient) must be reduced first: quantization is not linear.
-    a, b = (t.redistribute(placements=[Replicate()]) if t.placements[0].is_partial() else t for t in (a, b))
-    placements = (a.placements[0], b.placements[0])
-    if a.device_mesh.ndim != 1 or placements not in PRODUCT_PLACEMENTS:
-        raise NotImplementedError(f"MX matmul of DTensors placed {placements} on a {a.device_mesh.ndim}-D mesh: "
-                                  f"only the layouts of colwise and rowwise tensor parallelism are supported.")
-    out = local_mx_mm(a.to_local(), b.to_local(), emulate, rounding)
-    return DTensor.from_local(out, a.device_mesh, [PRODUCT_PLACEMENTS[placements]], run_check=False)
+    return multiply_shards(a, b, partial(local_mx_mm, emulate=emulate, rounding=rounding), "MX")
 
 
 class MXMatmul(torch.autograd.Function):
