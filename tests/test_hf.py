@@ -126,7 +126,7 @@ def test_rope_row_blocks_map_a_chunk_to_its_hf_rows() -> None:
 
 
 def test_read_hf_weights_checks_config(debug_model: Transformer, hf_folder: Path) -> None:
-    assert VocabRows("output.weight", "lm_head.weight") in inspect_folder(hf_folder, DEBUG)
+    assert VocabRows("output.weight", "lm_head.weight") in inspect_folder(hf_folder, DEBUG).transforms
     with pytest.raises(ConfigError) as error:
         read_hf_weights(hf_folder, dataclasses.replace(DEBUG, n_layers=4, rope_scaling=SHORT_CONTEXT_SCALING))
     message = str(error.value)

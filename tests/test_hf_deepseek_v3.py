@@ -7,14 +7,16 @@ export and skipped in an import."""
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from titan.checkpoint.hf import export_transforms, hf_names
-from titan.checkpoint.hf_io import read_hf_weights, save_hf
+from titan.checkpoint.hf import export_transforms, hf_names, load_steps
+from titan.checkpoint.hf_io import dequantized as dequantized_step
+from titan.checkpoint.hf_io import inspect_folder, read_hf_weights, save_hf
 from titan.config.errors import ConfigError
 from titan.models.common.args import YarnScaling
 from titan.models.common.hf_mapping import Same, VocabRows
@@ -149,3 +151,132 @@ def test_softmax_routed_flavor_has_no_transformers_class(tmp_path: Path) -> None
     args = dataclasses.replace(DEEPSEEK_V3_FLAVORS["16B"], vocab_size=VOCAB)
     with pytest.raises(ConfigError, match="routes by softmax"):
         hf_names(args)
+
+
+# DeepSeek-V3's release, at the debug flavor's sizes: its wkv_a has 144 rows (the latent rank 128 plus the rotary
+# key's 16), so the last row block of its scales covers 16 rows, as the release's 576-row kv_a_proj_with_mqa does.
+FP8_ARGS = dataclasses.replace(DEEPSEEK_V3_FLAVORS["debugmodel"], vocab_size=VOCAB)
+FP8_QUANTIZATION = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                    "weight_block_size": [128, 128]}
+
+
+def release_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(E4M3 weight, fp32 weight_scale_inv) as DeepSeek's release stores a weight: one scale per 128 x 128 block of
+    the zero-padded weight, amax / 448 (its inference code's dequantization multiplies by it)."""
+    rows, columns = weight.shape
+    padded = torch.nn.functional.pad(weight.float(), (0, -columns % 128, 0, -rows % 128))
+    blocks = padded.unflatten(1, (-1, 128)).unflatten(0, (-1, 128))  # (row blocks, 128, column blocks, 128)
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448
+    data = (blocks / scale_inv[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return data.flatten(2).flatten(0, 1)[:rows, :columns].contiguous(), scale_inv
+
+
+def fp8_release_folder(folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Titan's export of `model`, rewritten as deepseek-ai/DeepSeek-V3 stores its weights: every projection of the
+    decoder layers (attention, dense and shared MLPs, each routed expert) in E4M3 with its weight_scale_inv; the
+    embedding, output, norms and routers as they were; config.json with the release's quantization_config. Returns
+    each FP8 weight as transformers dequantizes it (integrations/finegrained_fp8.py), by HF name."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    save_hf(model.state_dict(), folder, FP8_ARGS, torch.float32, TOKENIZER)
+    tensors = read_safetensors(folder)
+    dequantized = {}
+    for name in [name for name in tensors if name.endswith(("proj.weight", "_mqa.weight")) and ".layers." in name]:
+        data, scale_inv = release_fp8(tensors[name])
+        tensors[name], tensors[f"{name}_scale_inv"] = data, scale_inv
+        dequantized[name] = _dequantize_fp8_weight(data, scale_inv, [128, 128], torch.float32)
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    (folder / "model.safetensors.index.json").unlink(missing_ok=True)
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = FP8_QUANTIZATION
+    (folder / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def fp8_release(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, dict[str, torch.Tensor]]:
+    """(the bf16-era Titan model, its FP8 release folder, transformers' dequantization of each FP8 weight)."""
+    folder = tmp_path_factory.mktemp("fp8_release")
+    model = build_for_comparison(FP8_ARGS, seed=1, routing_bias=True)
+    return model, folder, fp8_release_folder(folder, model)
+
+
+def test_fp8_release_imports_as_transformers_dequantizes_it(
+        fp8_release: tuple[torch.nn.Module, Path, dict[str, torch.Tensor]],
+        titan_records: list[logging.LogRecord]) -> None:
+    """Every FP8 weight imports as transformers' own dequantization of it, bit for bit (the experts' too, which a
+    transform splits), within the format's rounding of the weights it was made from (half an E4M3 step of its
+    block's amax); the other tensors are read as stored."""
+    model, folder, dequantized = fp8_release
+    state_dict = read_hf_weights(folder, FP8_ARGS)
+    assert any(f"holds {len(dequantized)} blockwise FP8 weights (E4M3, 128 x 128 blocks)" in record.getMessage()
+               for record in titan_records)
+    names = dict(zip(hf_names(FP8_ARGS), (fqn for transform in export_transforms(FP8_ARGS)
+                                           for fqn in [transform.fqn] * (getattr(transform, "num_experts", 1)))))
+    original = model.state_dict()
+    for hf_name, want in dequantized.items():
+        fqn = names[hf_name]
+        got, source = state_dict[fqn], original[fqn]
+        if got.dim() == 3:  # a stack of experts: the HF name's expert
+            expert = int(hf_name.split(".experts.")[1].split(".")[0])
+            got, source = got[expert], source[expert]
+        assert torch.equal(got, want), hf_name
+        assert (got - source).abs().max() <= source.abs().max() * 2**-4, hf_name
+    assert torch.equal(state_dict["layers.1.moe.router.gate.weight"], original["layers.1.moe.router.gate.weight"])
+    # The dense block's attention and MLP, then each MoE block's attention, shared experts and 8 experts.
+    assert len(dequantized) == 4 + 3 + 2 * (4 + 3 + 8 * 3)
+    assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" in dequantized
+
+
+@pytest.mark.parametrize("first, size", [((72, 40), (72, 160)), ((0, 0), (144, 256)), ((130, 250), (14, 6))],
+                         ids=["half-block-rows", "whole", "corner"])
+def test_fp8_chunks_cut_inside_blocks_read_their_own_values(
+        fp8_release: tuple[torch.nn.Module, Path, dict[str, torch.Tensor]], first: tuple[int, int],
+        size: tuple[int, int]) -> None:
+    """A shard's chunk of the 144-row wkv_a whose rows and columns start and end inside the 128 x 128 blocks (FSDP
+    over 2 ranks cuts its rows at 72) reads its E4M3 box and the scales of the blocks it touches, and takes exactly
+    its own values of the dequantized weight, as a rank of a sharded import does."""
+    _, folder, dequantized = fp8_release
+    inspected = inspect_folder(folder, FP8_ARGS)
+    stored = read_safetensors(folder)
+    fqn, hf_name = "layers.0.attention.wkv_a.weight", "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    transform = next(t for t in inspected.transforms if isinstance(t, Same) and t.fqn == fqn)
+    local = torch.full(size, float("nan"))
+    for step in load_steps(transform, fqn, (local, first), VOCAB):
+        step = dequantized_step(step, inspected.fp8, local.dtype)
+        step.place([stored[box.name][tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths))]
+                    for box in step.boxes])
+    assert torch.equal(local, dequantized[hf_name][first[0]:first[0] + size[0], first[1]:first[1] + size[1]])
+
+
+@pytest.mark.parametrize("case, message", [
+    ("no-scale", r"1 FP8 weights without their scales: \['model\.layers\.0\.self_attn\.q_proj\.weight'\]"),
+    ("wrong-grid", r"scale model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv has shape \[2, 1\], where "
+                   r"weight_block_size \[128, 128\] and the weight's \[384, 256\] give \[3, 2\]"),
+    ("no-block-size", r"quantization_config has weight_block_size None"),
+    ("e5m2", r"quantization_config has fmt 'e5m2'"),
+    ("no-config", r"holds blockwise FP8 scales .* but its config\.json has no quantization_config"),
+])
+def test_bad_fp8_release_folders_name_what_is_wrong(fp8_release: tuple[torch.nn.Module, Path, dict[str, torch.Tensor]],
+                                                   tmp_path: Path, case: str, message: str) -> None:
+    _, source, _ = fp8_release
+    folder = tmp_path / case
+    shutil.copytree(source, folder)
+    tensors, config = read_safetensors(folder), json.loads((folder / "config.json").read_text())
+    scale = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    if case == "no-scale":
+        del tensors[scale]
+    elif case == "wrong-grid":
+        tensors[scale] = torch.ones(2, 1)
+    elif case == "no-block-size":
+        del config["quantization_config"]["weight_block_size"]
+    elif case == "e5m2":
+        config["quantization_config"]["fmt"] = "e5m2"
+    else:
+        del config["quantization_config"]
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=message):
+        read_hf_weights(folder, FP8_ARGS)

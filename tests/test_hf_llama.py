@@ -66,7 +66,7 @@ def test_tied_checkpoint_fills_the_output_layer(hf_folder: Path, tmp_path: Path)
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     config = {**hf_config(DEBUG, torch.float32, bos_token_id=1, eos_token_id=2), "tie_word_embeddings": True}
     (tmp_path / HF_CONFIG_FILE).write_text(json.dumps(config))
-    assert VocabRows("output.weight", "model.embed_tokens.weight") in inspect_folder(tmp_path, DEBUG)
+    assert VocabRows("output.weight", "model.embed_tokens.weight") in inspect_folder(tmp_path, DEBUG).transforms
     loaded = read_hf_weights(tmp_path, DEBUG)
     assert torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
     assert torch.equal(loaded["output.weight"][:VOCAB], tensors["model.embed_tokens.weight"])

@@ -56,6 +56,7 @@ from torch.futures import Future
 from titan.checkpoint.hf import (
     HF_CONFIG_FILE,
     VOCAB_FQNS,
+    Box,
     Chunk,
     HFTensor,
     LoadStep,
@@ -79,6 +80,8 @@ from titan.metrics.log import logger
 from titan.models.common.args import DecoderArgs
 from titan.models.common.hf_mapping import HF_EMBEDDING, HF_OUTPUT, Transform, VocabRows
 from titan.models.families import family_of
+from titan.quant.float8.blockwise import expand_scales
+from titan.quant.formats import E4M3
 
 INDEX_FILE = "model.safetensors.index.json"
 SHARDED_FOLDER = "sharded"
@@ -89,6 +92,9 @@ FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 CODE_DTYPES = {"U8"}
 """What quantized layouts store as codes (MXFP4's blocks and scales)."""
 COPY_AGAIN = "Copy or download the folder again."
+FP8_DTYPE = "F8_E4M3"
+SCALE_SUFFIX = "_scale_inv"
+"""What a blockwise FP8 weight's inverse scales are called: <weight name>_scale_inv (DeepSeek-V3's release)."""
 
 
 def local_chunk(tensor: Tensor) -> Chunk:
@@ -174,12 +180,85 @@ def read_headers(files: dict[Path, set[str] | None]) -> dict[str, tuple[Path, to
     return tensors
 
 
-def inspect_folder(folder: Path, args: DecoderArgs) -> list[Transform]:
-    """Check a Hugging Face folder against `args` without reading tensor data, and return the transforms that fill
-    the Titan tensors from it (hf.import_transforms, plus the output of a tied model). One ConfigError names every
-    problem and its file."""
+@dataclasses.dataclass(frozen=True)
+class FP8Blocks:
+    """A folder's blockwise FP8 weights (DeepSeek-V3's release, transformers' FineGrainedFP8Config): E4M3 weights
+    with an fp32 inverse scale per block, `<name>_scale_inv` of shape (ceil(rows / block rows), ceil(cols / block
+    columns)), which the import multiplies out."""
+
+    block: tuple[int, int]
+    """config.json's quantization_config weight_block_size: (rows, columns) per scale."""
+    scales: dict[str, str]
+    """Each FP8 weight's name -> its scale's."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspected:
+    """What an import of a checked folder reads."""
+
+    transforms: list[Transform]
+    """The transforms that fill the Titan tensors (hf.import_transforms, plus the output of a tied model)."""
+    fp8: FP8Blocks | None
+    """The folder's blockwise FP8 weights, dequantized as they are read; None where it holds none."""
+
+
+def fp8_blocks(config: dict, tensors: dict[str, tuple[Path, torch.Size, str]], folder: Path) -> FP8Blocks | None:
+    """The blockwise FP8 weights of a folder, checked against config.json's quantization_config (quant_method fp8,
+    fmt e4m3, weight_block_size): every FP8 weight has its `_scale_inv`, of the grid its shape and the block size
+    give; or None for a folder without (an unquantized one, or GPT-OSS's MXFP4 experts, which transforms read). One
+    ConfigError names every problem."""
+    quantization = config.get("quantization_config") or {}
+    scale_names = sorted(name for name in tensors if name.endswith(SCALE_SUFFIX))
+    if quantization.get("quant_method") != "fp8":
+        if scale_names:
+            raise ConfigError(f"{folder} holds blockwise FP8 scales ({scale_names[:2]} ...), but its "
+                              f"{HF_CONFIG_FILE} has no quantization_config with quant_method \"fp8\" that says their "
+                              f"block size. Copy the config.json of the release the weights come from.")
+        return None
+    where = f"{folder / HF_CONFIG_FILE} quantization_config"
+    block = quantization.get("weight_block_size")
+    problems = []
+    if quantization.get("fmt", "e4m3") != "e4m3":
+        problems.append(f"{where} has fmt {quantization['fmt']!r}: Titan reads E4M3 weights (fmt \"e4m3\", "
+                        f"DeepSeek-V3's) only.")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block)):
+        raise ConfigError([*problems, f"{where} has weight_block_size {block!r}: blockwise FP8 weights need the "
+                                      f"[rows, columns] of their scales' blocks ([128, 128] in DeepSeek-V3's)."])
+    weights = {name: scale for name, (_, _, dtype) in tensors.items() if dtype == FP8_DTYPE
+               for scale in [f"{name}{SCALE_SUFFIX}"]}
+    missing = [name for name, scale in weights.items() if scale not in tensors]
+    if missing:
+        problems.append(f"{folder} has {len(missing)} FP8 weights without their scales: {missing[:8]}"
+                        f"{' ...' if len(missing) > 8 else ''} (each needs <name>{SCALE_SUFFIX}).")
+    orphans = [name for name in scale_names if name.removesuffix(SCALE_SUFFIX) not in weights]
+    if orphans:
+        problems.append(f"{folder} has scales of no FP8 weight: {orphans[:8]} (their weights are missing or not "
+                        f"{FP8_DTYPE}).")
+    for name, scale in weights.items():
+        shape = tensors[name][1]
+        if len(shape) != 2:
+            problems.append(f"{folder} FP8 weight {name} has shape {list(shape)}: blockwise FP8 weights are matrices.")
+        if scale not in tensors or len(shape) != 2:
+            continue
+        grid = [-(-size // step) for size, step in zip(shape, block)]
+        if list(tensors[scale][1]) != grid:
+            problems.append(f"{folder} scale {scale} has shape {list(tensors[scale][1])}, where weight_block_size "
+                            f"{block} and the weight's {list(shape)} give {grid}.")
+    if problems:
+        raise ConfigError([*problems, COPY_AGAIN])
+    logger.info(f"{folder} holds {len(weights)} blockwise FP8 weights (E4M3, {block[0]} x {block[1]} blocks): "
+                f"Titan dequantizes them as it reads them.")
+    return FP8Blocks((block[0], block[1]), weights)
+
+
+def inspect_folder(folder: Path, args: DecoderArgs) -> Inspected:
+    """Check a Hugging Face folder against `args` without reading tensor data, and return what an import reads. One
+    ConfigError names every problem and its file."""
     config = read_config(folder, args)
     tensors = skip_extra_layers(read_headers(weight_files(folder)), args, folder)
+    fp8 = fp8_blocks(config, tensors, folder)
+    if fp8 is not None:  # the scales are no model tensors: their weights are
+        tensors = {name: value for name, value in tensors.items() if name not in set(fp8.scales.values())}
     transforms = import_transforms(args, tensors)
     # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
     # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
@@ -200,7 +279,7 @@ def inspect_folder(folder: Path, args: DecoderArgs) -> list[Transform]:
     if wrong_dtypes:
         raise ConfigError(f"Hugging Face folder {folder} has weights whose dtype their layout does not hold: "
                           f"{'; '.join(wrong_dtypes[:8])}. {COPY_AGAIN}")
-    return transforms
+    return Inspected(transforms, fp8)
 
 
 def dtypes_of(tensor: HFTensor) -> set[str]:
@@ -234,19 +313,44 @@ def layer_number(name: str) -> int | None:
 
 # ---- loading ----
 
-class HFLoadPlanner(DefaultLoadPlanner):
-    """Reads, for every local chunk of the Titan state dict, the HF boxes that hold it (hf.load_steps)."""
+def dequantized(step: LoadStep, fp8: FP8Blocks, dtype: torch.dtype) -> LoadStep:
+    """`step` reading an FP8 weight's box: its E4M3 values, and the inverse scales of the blocks the box touches (a
+    shard's box may start or end inside a block), multiplied out in fp32 and handed on as `dtype` values."""
+    (box,) = step.boxes  # every transform of a plain weight reads one box of it
+    (first_row, first_column), (rows, columns) = box.offsets, box.lengths
+    block_rows, block_columns = fp8.block
+    first_scale = (first_row // block_rows, first_column // block_columns)
+    last_scale = (-(-(first_row + rows) // block_rows), -(-(first_column + columns) // block_columns))
+    scale_box = Box(fp8.scales[box.name], first_scale, (last_scale[0] - first_scale[0], last_scale[1] - first_scale[1]))
+    into_block = (first_row - first_scale[0] * block_rows, first_column - first_scale[1] * block_columns)
 
-    def __init__(self, state_dict: dict[str, Tensor], transforms: list[Transform], args: DecoderArgs) -> None:
+    def place(buffers: list[Tensor]) -> None:
+        data, scale_inv = buffers
+        values = (data.float() * expand_scales(scale_inv, data.shape, block_rows, block_columns, into_block)).to(dtype)
+        if step.target is not None:
+            step.target.copy_(values)
+        else:
+            step.place([values])
+    return LoadStep((box, scale_box), dtypes=(E4M3, torch.float32), place=place)
+
+
+class HFLoadPlanner(DefaultLoadPlanner):
+    """Reads, for every local chunk of the Titan state dict, the HF boxes that hold it (hf.load_steps), FP8 ones
+    dequantized."""
+
+    def __init__(self, state_dict: dict[str, Tensor], inspected: Inspected, args: DecoderArgs) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)  # the plan is built here, flat
         self.reads: list[ReadItem] = []
         self.steps: dict[MetadataIndex, tuple[LoadStep, int, Tensor]] = {}
         self.buffers: dict[int, list[Tensor | None]] = {}  # a step's buffers as they are read, by id(step)
-        for transform in transforms:
+        fp8 = inspected.fp8
+        for transform in inspected.transforms:
             # A pipeline stage's state dict holds its own layers only.
             for fqn in (fqn for fqn in titan_fqns(transform) if fqn in state_dict):
                 local, offsets = local_chunk(state_dict[fqn])
                 for step in load_steps(transform, fqn, (local, offsets), args.vocab_size):
+                    if fp8 is not None and step.boxes[0].name in fp8.scales:
+                        step = dequantized(step, fp8, local.dtype)
                     self.add_reads(fqn, step, local)
 
     def add_reads(self, fqn: str, step: LoadStep, local: Tensor) -> None:
@@ -304,15 +408,15 @@ def load_hf(folder: Path, state_dict: dict[str, Tensor], args: DecoderArgs) -> N
     """Fill `state_dict` (Titan FQN -> tensor or DTensor: this rank's share of the model) in place from the Hugging
     Face folder. Every rank calls this; each reads only its own rows. Entries without an HF tensor (a routing bias
     the class lacks, multi-token prediction modules) keep what they hold: the caller's initialised values."""
-    transforms = inspect_folder(folder, args)
-    loaded = {fqn for transform in transforms for fqn in titan_fqns(transform)}
+    inspected = inspect_folder(folder, args)
+    loaded = {fqn for transform in inspected.transforms for fqn in titan_fqns(transform)}
     kept = sorted(fqn for fqn in state_dict if fqn not in loaded and fqn not in VOCAB_FQNS)
     if kept:
         logger.info(f"{len(kept)} tensors have no Hugging Face counterpart and keep their initial values: "
                     f"{kept[:4]}{' ...' if len(kept) > 4 else ''}")
     with torch.no_grad():
         dcp.load(state_dict, storage_reader=BlockReader(str(folder)),
-                 planner=HFLoadPlanner(state_dict, transforms, args), no_dist=not dist.is_initialized())
+                 planner=HFLoadPlanner(state_dict, inspected, args), no_dist=not dist.is_initialized())
         for fqn, tensor in state_dict.items():
             if fqn in VOCAB_FQNS:
                 local, offsets = local_chunk(tensor)

@@ -67,9 +67,11 @@ def records_ops(mode: str, selective_option: str, keep_attention: bool) -> bool:
     return saves_by_op(mode, selective_option) or (mode != "none" and keep_attention)
 
 
-# The matmuls the "op" policy alternates on: plain, native float8 and MX (torch._scaled_mm) and a mixture of
-# experts' grouped matmul (titan/models/common/moe.py).
-MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._grouped_mm.default}
+# The matmuls the "op" policy alternates on: plain, native float8 and MX (torch._scaled_mm), native NVFP4 and
+# blockwise float8 (torch.nn.functional.scaled_mm's op) and a mixture of experts' grouped matmul
+# (titan/models/common/moe.py).
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default, torch.ops.aten._scaled_mm_v2.default,
+           torch.ops.aten._grouped_mm.default}
 
 
 def model_fqn(name: str) -> str:

@@ -62,10 +62,13 @@ def block_cast(x: Tensor) -> tuple[Tensor, Tensor]:
     return data[..., :rows, :cols], scale.reciprocal()[..., 0, :, 0]
 
 
-def expand_scales(scale_inv: Tensor, shape: torch.Size, rows_per_scale: int, cols_per_scale: int) -> Tensor:
-    """Each inverse scale (..., row groups, column groups) repeated over the elements it covers, cut to `shape`."""
+def expand_scales(scale_inv: Tensor, shape: torch.Size, rows_per_scale: int, cols_per_scale: int,
+                  first: tuple[int, int] = (0, 0)) -> Tensor:
+    """Each inverse scale (..., row groups, column groups) repeated over the elements it covers, cut to a box of
+    `shape` that starts `first` (row, column) elements into the first group (a shard's box of a matrix whose groups
+    the shard's edges cut)."""
     expanded = scale_inv.repeat_interleave(rows_per_scale, -2).repeat_interleave(cols_per_scale, -1)
-    return expanded[..., :shape[-2], :shape[-1]]
+    return expanded[..., first[0]:first[0] + shape[-2], first[1]:first[1] + shape[-1]]
 
 
 def dequantize_tiles(data: Tensor, scale_inv: Tensor, dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
