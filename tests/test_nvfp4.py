@@ -18,6 +18,8 @@ Needs torchao (the `test` extra). torchao prints "Failed to load ..._C_mxfp8..."
 CUDA extensions, which nothing here uses.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,7 @@ from titan.quant.nvfp4.numerics import (
 from titan.validate import load_job_config
 
 from harness.linears import run_linear
+from harness.torchrun import run_torchrun
 
 INPUT_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
 BLOCK = 16
@@ -373,15 +376,15 @@ def test_converter_keeps_the_last_blocks_the_output_and_the_experts() -> None:
     """torchtitan's recipe: the last ceil(6 x 0.15) = 1 of the debug model's blocks and the output projection stay
     in high precision; 0 converts every block. Experts have no NVFP4 grouped recipe and are reported as kept."""
     model = debug_model_on_meta("llama3", "debugmodel")
-    decisions = {d.fqn: d for d in apply_nvfp4(model, NVFP4Config(emulate=True))}
+    decisions = {d.fqn: d for d in apply_nvfp4(model, NVFP4Config(emulate=True), 1)}
     assert isinstance(model.layers["4"].attention.wq, NVFP4Linear) and type(model.output) is nn.Linear
     assert decisions["layers.5.feed_forward.w1"].result == (
         "skipped: one of the last 1 blocks (--nvfp4.high_precision_last_blocks_fraction 0.15)")
     assert sum(d.converted for d in decisions.values()) == 5 * 7
     model = debug_model_on_meta("llama3", "debugmodel")
-    apply_nvfp4(model, NVFP4Config(high_precision_last_blocks_fraction=0.0, filter_fqns=[]))
+    apply_nvfp4(model, NVFP4Config(high_precision_last_blocks_fraction=0.0, filter_fqns=[]), 1)
     assert isinstance(model.layers["5"].attention.wq, NVFP4Linear) and isinstance(model.output, NVFP4Linear)
-    decisions = apply_nvfp4(debug_model_on_meta("qwen3", "debugmodel_moe"), NVFP4Config(emulate=True))
+    decisions = apply_nvfp4(debug_model_on_meta("qwen3", "debugmodel_moe"), NVFP4Config(emulate=True), 1)
     experts = [d for d in decisions if d.num_experts]
     assert len(experts) == 6 and not any(d.converted for d in experts)
 
@@ -394,9 +397,27 @@ def test_nvfp4_config_rules() -> None:
             load_job_config(job, world_size=1)
     assert load_job_config([*job, "--nvfp4.emulate"], world_size=1).nvfp4.emulate
     with pytest.raises(ConfigError) as error:
-        load_job_config([*job, "mx", "--nvfp4.emulate", "--mx.emulate", "--parallelism.tensor_parallel_degree", "2",
-                         "--nvfp4.filter_fqns", "outptu"], world_size=2)
+        load_job_config([*job, "mx", "--nvfp4.emulate", "--mx.emulate", "--nvfp4.filter_fqns", "outptu"],
+                        world_size=1)
     message = str(error.value)
     assert "--model.converters nvfp4 does not combine with mx" in message
-    assert "does not combine with --parallelism.tensor_parallel_degree 2" in message
+    # Tensor parallel is no conflict (as torchao's NVFP4 tensor-parallel styles, below).
+    assert load_job_config([*job, "--nvfp4.emulate", "--parallelism.tensor_parallel_degree", "2"],
+                           world_size=2).parallelism.tensor_parallel_degree == 2
     assert "--nvfp4.filter_fqns 'outptu' matches no linear layer" in message
+
+
+def test_tensor_parallel_follows_torchaos_amax_rule(tmp_path: Path) -> None:
+    """Colwise and rowwise NVFP4 linears on 2 TP ranks with sequence parallel (tests/harness/nvfp4_tp_harness.py):
+    every rank's output, input gradient and weight gradient equal the NVFP4 matmuls of the operands torchao's NVFP4
+    tensor-parallel styles give it, a gathered operand quantized with the whole tensor's amax and a sharded one with
+    its shard's, bit for bit; and a rank's output is not one process's where its shard's amax is not the whole's."""
+    result = tmp_path / "nvfp4_tp.pt"
+    run_torchrun("nvfp4_tp_harness.py", 2, str(result))
+    for rank, styles in enumerate(torch.load(result)):
+        for style, got in styles.items():
+            for key in ("out", "grad_input", "grad_weight"):
+                assert torch.equal(got[key], got[f"want_{key}"]), (rank, style, key)
+    # Rank 0's weight rows lack the weight's largest entry (row 70): its tensor scale is its own, not the whole's.
+    colwise = torch.load(result)[0]["colwise"]
+    assert not torch.equal(colwise["out"], colwise["one_process_out"].chunk(2, dim=1)[0])

@@ -17,7 +17,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from titan.models.common.moe import GroupedExperts  # noqa: E402
 from titan.parallel.ep import ExpertParallelExperts  # noqa: E402
 
-from harness.torchrun import finish_rank  # noqa: E402
+from harness.torchrun import save_every_rank_and_finish  # noqa: E402
 
 NUM_EXPERTS, DIM, HIDDEN = 4, 8, 16
 # Tokens per expert of each rank, sorted by expert as MoE.forward hands them over. "empty": experts 1 and 2 get no
@@ -63,12 +63,7 @@ def main() -> None:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
     results = {name: run(routing, mesh, rank) for name, routing in ROUTINGS.items()}
-    gathered: list[dict] = [{}, {}]
-    dist.all_gather_object(gathered, results)
-    if rank == 0:
-        torch.save(gathered, sys.argv[1])
-    dist.destroy_process_group()
-    finish_rank()
+    save_every_rank_and_finish(results, sys.argv[1])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import NoReturn
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.multiprocessing
 
 from titan.exits import exit_process
@@ -52,6 +53,17 @@ def finish_rank() -> NoReturn:
     """End a rank of a script run_torchrun launches, after its work: print the done marker, then exit 0."""
     print(f"{DONE_MARKER} {os.environ['RANK']}", flush=True)
     exit_process(0)
+
+
+def save_every_rank_and_finish(results: dict, path: str) -> None:
+    """End a rank of a script that compares on every rank: gather each rank's `results` (tensors cloned out of any
+    collective's wrapper), rank 0 saves the list by rank to `path`, then the process group ends and the rank too."""
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        torch.save(gathered, path)
+    dist.destroy_process_group()
+    finish_rank()
 
 
 def run_torchrun(script: str, nprocs: int, *args: str, timeout: float = 600) -> None:

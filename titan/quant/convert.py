@@ -118,8 +118,9 @@ def last_blocks(model: nn.Module, fraction: float) -> set[str]:
     return {f"layers.{name}." for name in names[len(names) - kept:]} if kept else set()
 
 
-def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[str]) -> str | None:
-    """Why `linear` must stay in high precision under `cfg`, or None if it converts; `kept_blocks`: last_blocks."""
+def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[str], tp_degree: int) -> str | None:
+    """Why `linear` must stay in high precision under `cfg` on a `tp_degree`-way TP mesh, or None if it converts;
+    `kept_blocks`: last_blocks."""
     out_features, in_features = linear.weight.shape
     filtered = filter_reason(fqn, cfg.filter_fqns, "--nvfp4.filter_fqns")
     if filtered:
@@ -127,9 +128,12 @@ def nvfp4_skip_reason(fqn: str, linear: nn.Linear, cfg: NVFP4, kept_blocks: set[
     if any(fqn.startswith(prefix) for prefix in kept_blocks):
         return (f"skipped: one of the last {len(kept_blocks)} blocks (--nvfp4.high_precision_last_blocks_fraction "
                 f"{cfg.high_precision_last_blocks_fraction})")
-    # Both dims are some matmul's contraction dim, whose packed FP4 rows block-scaled GEMMs read in 16-byte units.
-    return indivisible_reason(out_features, in_features, NVFP4_CONTRACTION_MULTIPLE,
-                              f"{NVFP4_CONTRACTION_MULTIPLE}, the NVFP4 matmuls' contraction multiple")
+    # Both dims are some matmul's contraction dim, whose packed FP4 rows block-scaled GEMMs read in 16-byte units;
+    # under TP, of each rank's shard.
+    return (indivisible_reason(out_features, in_features, NVFP4_CONTRACTION_MULTIPLE,
+                               f"{NVFP4_CONTRACTION_MULTIPLE}, the NVFP4 matmuls' contraction multiple")
+            or shard_blocks_reason(out_features, in_features, NVFP4_CONTRACTION_MULTIPLE, tp_degree,
+                                   f"{NVFP4_CONTRACTION_MULTIPLE}-element NVFP4 contractions"))
 
 
 def expert_skip_reason(fqn: str, experts: GroupedExperts, moe_fqns: list[str], flag: str,
@@ -236,11 +240,11 @@ def apply_mx(model: nn.Module, cfg: MX, tp_degree: int) -> list[LayerDecision]:
     return linears + experts
 
 
-def apply_nvfp4(model: nn.Module, cfg: NVFP4) -> list[LayerDecision]:
+def apply_nvfp4(model: nn.Module, cfg: NVFP4, tp_degree: int) -> list[LayerDecision]:
     """Swap every eligible nn.Linear of `model` for an NVFP4Linear in place; one decision per linear, and one per
     MoE layer's experts, which stay in high precision."""
     kept_blocks = last_blocks(model, cfg.high_precision_last_blocks_fraction)
-    linears = swap_linears(model, lambda fqn, linear: nvfp4_skip_reason(fqn, linear, cfg, kept_blocks),
+    linears = swap_linears(model, lambda fqn, linear: nvfp4_skip_reason(fqn, linear, cfg, kept_blocks, tp_degree),
                            lambda linear: NVFP4Linear.from_linear(linear, emulate=cfg.emulate),
                            f"nvfp4{' (emulated)' if cfg.emulate else ''}")
     # torchao 0.18 has no NVFP4 grouped training recipe to match (its grouped NVFP4 matmuls are forward-only).
@@ -346,7 +350,7 @@ def apply_converters(model: nn.Module, converters: list[str], float8: Float8, mx
     if "mx" in converters:
         decisions += apply_mx(model, mx, tp_degree)
     if "nvfp4" in converters:
-        decisions += apply_nvfp4(model, nvfp4)
+        decisions += apply_nvfp4(model, nvfp4, tp_degree)
     decisions = merge_decisions(decisions)
     if decisions:
         logger.info(f"Model conversion report:\n{format_report(decisions)}")

@@ -63,23 +63,13 @@ def check_converter_filters(model: Model, float8: Float8, mx: MX, nvfp4: NVFP4) 
     return problems
 
 
-def check_nvfp4(model: Model, parallelism: Parallelism) -> list[str]:
-    """NVFP4 takes every eligible linear (no filter splits layers between it and float8 or mx), and its per-tensor
-    scales need the whole tensor's amax, which a tensor-parallel shard does not see."""
-    if "nvfp4" not in model.converters:
-        return []
-    problems = []
+def check_nvfp4(model: Model) -> str | None:
+    """NVFP4 takes every eligible linear: no filter splits layers between it and float8 or mx."""
     others = [name for name in ("float8", "mx") if name in model.converters]
-    if others:
-        problems.append(f"--model.converters nvfp4 does not combine with {' and '.join(others)} in one run. Use "
-                        f"nvfp4 alone for the dense linears, or {' or '.join(others)} for the linears and the "
-                        f"experts.")
-    tp = parallelism.tensor_parallel_degree
-    if tp > 1:
-        problems.append(f"--model.converters nvfp4 does not combine with --parallelism.tensor_parallel_degree {tp}: "
-                        f"its per-tensor scales need each tensor's whole amax, which a TP shard does not hold. Use "
-                        f"data parallel (FSDP) instead, or --model.converters mx.")
-    return problems
+    if "nvfp4" not in model.converters or not others:
+        return None
+    return (f"--model.converters nvfp4 does not combine with {' and '.join(others)} in one run. Use nvfp4 alone for "
+            f"the dense linears, or {' or '.join(others)} for the linears and the experts.")
 
 
 def check_float8_all_gather(float8: Float8, parallelism: Parallelism, training: Training) -> list[str]:

@@ -21,15 +21,16 @@ of numerics.py, not in torchao's fused Triton kernels. Emulated (`emulate=True`)
 dequantized and multiplied in fp32, then rounded to bf16; for CPU and pre-Blackwell GPUs.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from titan.quant.formats import E4M3, NVFP4_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.nvfp4.numerics import NVFP4, dequantize, quantize, quantize_2d, rotate
-from titan.quant.quantized_linear import QuantizedLinear
+from titan.quant.quantized_linear import QuantizedLinear, multiply_shards
 
 WGRAD_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """The Hadamard transform's signs: the vector NVIDIA's Transformer Engine hard-codes (get_wgrad_sign_vector).
@@ -76,26 +77,48 @@ def nvfp4_mm(a: NVFP4, b: NVFP4, emulate: bool) -> Tensor:
     return native_nvfp4_mm(a, b)
 
 
+def output_mm(x: Tensor, weight_t: Tensor, emulate: bool) -> Tensor:
+    """x (M, K) @ weight^T (K, N): x in 1 x 16 blocks, the weight in its 16 x 16 tiles, both to nearest."""
+    return nvfp4_mm(quantize(x), quantize_2d(weight_t.t()), emulate)
+
+
+def grad_input_mm(grad: Tensor, weight: Tensor, emulate: bool) -> Tensor:
+    """grad (M, N) @ weight (N, K): grad rounded stochastically, the weight's tiles transposed, as in forward."""
+    return nvfp4_mm(quantize(grad, rounding_noise(grad)), quantize_2d(weight.t()), emulate)
+
+
+def grad_weight_mm(grad_t: Tensor, x: Tensor, rht_signs: tuple[int, ...], emulate: bool) -> Tensor:
+    """grad^T (N, tokens) @ x (tokens, K): both along the tokens, rotated, grad rounded stochastically."""
+    return nvfp4_mm(quantize_tokens_rotated(grad_t.t(), rht_signs, stochastic=True),
+                    quantize_tokens_rotated(x, rht_signs, stochastic=False), emulate)
+
+
 class NVFP4Matmul(torch.autograd.Function):
     """x (M, K) @ weight (N, K)^T with all three matmuls in NVFP4 (module docstring). Saves the bf16 input and weight
-    and quantizes them again in backward: the same values as in forward, since they round to nearest."""
+    and quantizes them again in backward: the same values as in forward, since they round to nearest.
+
+    Under tensor parallel (sequence parallel, as Titan's TP always is) the operands are DTensors, and each rank
+    quantizes the local tensors it multiplies (titan/quant/quantized_linear.py multiply_shards), each with the tensor
+    scale of its own amax. That is torchao 0.18's NVFP4 tensor-parallel rule (NVFP4ColwiseParallel,
+    NVFP4RowwiseParallel): a gathered operand is quantized with the whole tensor's amax (here the input of a colwise
+    linear and the output gradient of a rowwise one arrive gathered, where torchao all-reduces their amaxes and
+    gathers FP4 codes), a sharded one with its shard's (the weights, a colwise output gradient, a rowwise input)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, rht_signs: tuple[int, ...], emulate: bool) -> Tensor:
         x_bf16, weight_bf16 = x.to(torch.bfloat16), weight.to(torch.bfloat16)
         ctx.save_for_backward(x_bf16, weight_bf16)
         ctx.rht_signs, ctx.emulate, ctx.dtypes = rht_signs, emulate, (x.dtype, weight.dtype)
-        return nvfp4_mm(quantize(x_bf16), quantize_2d(weight_bf16), emulate).to(x.dtype)
+        out = multiply_shards(x_bf16, weight_bf16.t(), partial(output_mm, emulate=emulate), "NVFP4")
+        return out.to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
         x, weight = ctx.saved_tensors
         grad = grad.to(torch.bfloat16)
-        # (M, N) @ (K, N)^T: the weight's tiles transposed, quantized as in forward
-        grad_input = nvfp4_mm(quantize(grad, rounding_noise(grad)), quantize_2d(weight.t()), ctx.emulate)
-        # (N, tokens) @ (K, tokens)^T
-        grad_weight = nvfp4_mm(quantize_tokens_rotated(grad, ctx.rht_signs, stochastic=True),
-                               quantize_tokens_rotated(x, ctx.rht_signs, stochastic=False), ctx.emulate)
+        grad_input = multiply_shards(grad, weight, partial(grad_input_mm, emulate=ctx.emulate), "NVFP4")
+        grad_weight = multiply_shards(grad.t(), x, partial(grad_weight_mm, rht_signs=ctx.rht_signs,
+                                                           emulate=ctx.emulate), "NVFP4")
         x_dtype, weight_dtype = ctx.dtypes
         return grad_input.to(x_dtype), grad_weight.to(weight_dtype), None, None
 
@@ -118,10 +141,6 @@ class NVFP4Linear(QuantizedLinear):
         self.rht_signs = tuple(rht_signs)
 
     def matmul(self, x_2d: Tensor) -> Tensor:
-        if isinstance(x_2d, DTensor) or isinstance(self.weight, DTensor):
-            raise NotImplementedError("NVFP4Linear multiplies plain tensors only: its tensor scales come from a "
-                                      "whole tensor's amax, which a tensor-parallel shard does not see. Keep NVFP4 "
-                                      "layers out of tensor parallelism.")
         return NVFP4Matmul.apply(x_2d, self.weight, self.rht_signs, self.emulate)
 
     def extra_repr(self) -> str:
