@@ -20,6 +20,7 @@ from titan.validate import load_job_config
 PRECISIONS = {
     "bf16": [],
     "float8 rowwise": ["--model.converters", "float8", "--float8.recipe_name", "rowwise"],
+    "float8 blockwise": ["--model.converters", "float8", "--float8.recipe_name", "blockwise"],
     "mxfp8": ["--model.converters", "mx"],
 }
 
@@ -41,7 +42,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--gpus", nargs="+", default=["H100", "B200"], choices=sorted(GPUS))
     args, job = parser.parse_known_args()
-    print(f"{'gpu':5} {'precision':15} {'step':>10}  {'tok/s/GPU':>9}  {'MFU':>6}  {'memory':>11}  {'matmuls':>9}  "
+    print(f"{'gpu':5} {'precision':16} {'step':>10}  {'tok/s/GPU':>9}  {'MFU':>6}  {'memory':>11}  {'matmuls':>9}  "
           f"{'the rest':>9}")
     for gpu in args.gpus:
         for name, flags in PRECISIONS.items():
@@ -49,7 +50,7 @@ def main() -> None:
                 row = estimate_row(job, args.world_size, args.rank, gpu, flags)
             except ConfigError as error:  # the first clause of each problem: what the GPU lacks
                 row = "not run: " + "; ".join(problem.split(";")[0] for problem in error.problems)
-            print(f"{gpu:5} {name:15} {row}", flush=True)
+            print(f"{gpu:5} {name:16} {row}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,14 @@ import torch
 from titan.config.errors import ConfigError
 from titan.config.job import JobConfig, Model
 from titan.config.load import load_toml, parse_args, to_toml
-from titan.hardware import CPU, Accelerator, local_accelerator, simulated_accelerator, target_accelerator
+from titan.hardware import (
+    CPU,
+    Accelerator,
+    cpu_scaled_mm_takes_rowwise_scales,
+    local_accelerator,
+    simulated_accelerator,
+    target_accelerator,
+)
 from titan.models.families import FAMILIES
 from titan.validate import load_job_config, validate
 
@@ -219,6 +226,21 @@ def test_following_each_suggestion_fixes_its_problem(args: tuple[str, ...], worl
 
 
 H100 = simulated_accelerator("H100")
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_float8_rowwise_on_the_cpu_follows_this_torchs_kernel(recipe: str) -> None:
+    """The CPU's torch._scaled_mm takes rowwise scales from torch 2.13 on; on an older torch (2.11: this test runs in
+    .ci/run's 2.11 subset), native rowwise float8 on the CPU is a config error that points at the emulated mode, not
+    the kernel's internal assert at step 1."""
+    args = ["--model.converters", "float8", "--float8.recipe_name", recipe]
+    found = problems_for(*args, accelerator=CPU)
+    if cpu_scaled_mm_takes_rowwise_scales():
+        assert found == []
+    else:
+        assert len(found) == 1 and found[0].startswith(f"--float8.recipe_name {recipe} multiplies with rowwise"), found
+        assert "--float8.emulate" in found[0]
+    assert problems_for(*args, "--float8.emulate", accelerator=CPU) == []
 
 
 @pytest.mark.parametrize("args, world_size, problem", [

@@ -2,8 +2,9 @@
 tile and block casts byte for byte against torchao's pure-torch quantizers, the linear's three matmuls against the
 same matmuls composed from them, and the experts against torchao's emulated blockwise grouped matmul (its Triton
 quantizers given CPU kernels from its own references: tests/harness/torchao_blockwise.py). Also the ceil-sized grid
-at the edges, compile, the conversion's skips and report, and the config's refusals. The native path's layouts go
-through torch's checks of F.scaled_mm on the simulated H100: tests/test_dry_run.py.
+at the edges, the conversion's skips and report, and the config's refusals. The native path's layouts go
+through torch's checks of F.scaled_mm on the simulated H100: tests/test_dry_run.py. Compiled against eager:
+tests/test_compiled_linears.py.
 
 Needs torchao (the `test` extra), so it is not in the torch 2.11 subset of .ci/run. torchao prints "Failed to load
 ..._C_mxfp8..." on import on CPU: its CUDA extensions, which nothing here uses.
@@ -134,16 +135,6 @@ def test_weight_gradient_pads_the_tokens_to_whole_tiles() -> None:
     padded_x, padded_grad = (torch.nn.functional.pad(t, (0, 0, 0, 56)) for t in (x, grad))
     assert torch.equal(local_blockwise_mm(grad.t(), x, b_blocks=False, emulate=True),
                        torchao_linear(padded_x, weight, padded_grad)["grad_weight"])
-
-
-def test_compiled_linear_matches_eager() -> None:
-    linear = Float8BlockwiseLinear(256, 128, bias=True, emulate=True)
-    nn.init.normal_(linear.weight, std=0.05)
-    x, grad = torch.randn(2, 64, 256), torch.randn(2, 64, 128)
-    eager = run_linear(linear, x, grad)
-    compiled = run_linear(torch.compile(linear, backend="aot_eager"), x, grad)
-    for name in eager:
-        torch.testing.assert_close(compiled[name], eager[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)

@@ -4,6 +4,7 @@ A training run targets this machine's GPU (or its CPU). A dry run (--job.dry_run
 (--estimate.gpu), whatever machine it runs on, so a CPU machine can check a job meant for H100s.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,3 +59,15 @@ def simulated_accelerator(gpu: str) -> Accelerator:
 def target_accelerator(dry_run: bool, gpu: str) -> Accelerator:
     """The accelerator a config targets: the simulated --estimate.gpu `gpu` for a dry run, else this machine's."""
     return simulated_accelerator(gpu) if dry_run else local_accelerator()
+
+
+@functools.cache
+def cpu_scaled_mm_takes_rowwise_scales() -> bool:
+    """Whether this torch's CPU torch._scaled_mm multiplies float8 with rowwise scales (torch 2.13's does; 2.11's
+    takes per-tensor scales only and fails an internal assert otherwise), tried on a 16 x 16 product."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True

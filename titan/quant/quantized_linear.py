@@ -1,6 +1,7 @@
 """QuantizedLinear: the nn.Linear shell that every low-precision converter's linear shares. Subclasses supply
 `matmul`, the (tokens, in_features) @ weight^T product with their own quantization and autograd. Also the
-shard-by-shard product that the block-quantized recipes (MX, blockwise float8) run under tensor parallelism."""
+shard-by-shard product that the block-quantized recipes (MX, blockwise float8, NVFP4) run under tensor parallelism,
+and the cast that their products' outputs take."""
 
 from collections.abc import Callable
 
@@ -30,6 +31,13 @@ def multiply_shards(a: Tensor, b: Tensor, local_mm: Callable[[Tensor, Tensor], T
                                   f"mesh: only the layouts of colwise and rowwise tensor parallelism are supported.")
     out = local_mm(a.to_local(), b.to_local())
     return DTensor.from_local(out, a.device_mesh, [PRODUCT_PLACEMENTS[placements]], run_check=False)
+
+
+def in_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """x in `dtype`, without the no-op `.to` when it is already: torch 2.11 compiles an autograd.Function whose forward
+    returns a no-op `.to(...)` into one whose backward yields zero gradients, silently (fixed by 2.13). Every
+    recipe's matmul output goes through this (tests/test_compiled_linears.py)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class QuantizedLinear(nn.Linear):

@@ -4,11 +4,12 @@ error before step 1 that points at the emulated mode, never a kernel's assertion
 
 import math
 
+import torch
 from torch import nn
 
 from titan.config.job import MX, NVFP4, Float8, Model, Parallelism, Training
 from titan.config.rule import flavor_args, has_experts, needs_in_range, unmatched_patterns
-from titan.hardware import Accelerator
+from titan.hardware import Accelerator, cpu_scaled_mm_takes_rowwise_scales
 from titan.models.common.moe import GroupedExperts
 from titan.models.families import module_fqns
 
@@ -99,7 +100,14 @@ def check_float8_hardware(model: Model, float8: Float8, accelerator: Accelerator
         return None
     if float8.recipe_name == "blockwise":
         return blockwise_problem(accelerator)
-    if not accelerator.is_cuda or accelerator.capability >= FLOAT8_MIN_CAPABILITY:
+    if not accelerator.is_cuda:
+        if float8.recipe_name == "tensorwise" or cpu_scaled_mm_takes_rowwise_scales():
+            return None
+        return (f"--float8.recipe_name {float8.recipe_name} multiplies with rowwise scales, which this torch's "
+                f"({torch.__version__}) CPU torch._scaled_mm lacks (torch 2.13's has them); "
+                f"{accelerator.describe()}. Add --float8.emulate to run the same quantization with high-precision "
+                f"matmuls, or use --float8.recipe_name tensorwise.")
+    if accelerator.capability >= FLOAT8_MIN_CAPABILITY:
         return None
     return (f"--model.converters float8 needs a GPU with compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
             f"{accelerator.describe()}. Add --float8.emulate to run the same quantization with high-precision "

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from titan.quant.float8.casts import amax_to_scale, cast_to_float8
 from titan.quant.formats import E4M3, FLOAT8_BLOCK_SIZE
-from titan.quant.quantized_linear import QuantizedLinear, multiply_shards
+from titan.quant.quantized_linear import QuantizedLinear, in_dtype, multiply_shards
 
 BLOCK = FLOAT8_BLOCK_SIZE
 
@@ -127,7 +127,7 @@ class BlockwiseMatmul(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.emulate = emulate
-        return blockwise_mm(x, weight.t(), b_blocks=True, emulate=emulate).to(x.dtype)
+        return in_dtype(blockwise_mm(x, weight.t(), b_blocks=True, emulate=emulate), x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:

@@ -22,7 +22,7 @@ from torch import Tensor
 from titan.quant.float8.casts import dequantize, rowwise_cast, tensorwise_cast
 from titan.quant.float8.gathered import Float8GatheredWeight
 from titan.quant.formats import E4M3, E5M2
-from titan.quant.quantized_linear import QuantizedLinear
+from titan.quant.quantized_linear import QuantizedLinear, in_dtype
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def scaled_matmul(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dt
     """(a / a_scale) @ (b / b_scale) for float8 a (M, K) and b (K, N); scales broadcast like the operands
     (0-dim, (M, 1) for a, (1, N) for b)."""
     if emulate:
-        return (dequantize(a, a_scale) @ dequantize(b, b_scale)).to(out_dtype)
+        return in_dtype(dequantize(a, a_scale) @ dequantize(b, b_scale), out_dtype)
     # _scaled_mm takes two tensorwise or two rowwise scales: one tensorwise scale with a rowwise partner (the weight
     # in rowwise_with_gw_hp's grad_input) is repeated along the rows or columns, as torchao does.
     if a_scale.dim() != b_scale.dim():
@@ -95,7 +95,7 @@ def scaled_matmul(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, out_dt
     # _scaled_mm wants a row-major, b column-major, and the inverse (dequantizing) scales.
     out = torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=a_scale.reciprocal(),
                            scale_b=b_scale.reciprocal(), out_dtype=mm_dtype)
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
 
 
 def cast_operand(operand: Tensor, cast: OperandCast, contraction_dim: int) -> tuple[Tensor, Tensor]:
@@ -122,7 +122,7 @@ def float8_mm(a: Tensor, b: Tensor, casts: tuple[OperandCast, OperandCast] | Non
               emulate: bool) -> Tensor:
     """a (M, K) @ b (K, N) with each operand cast as `casts` says, or in high precision when `casts` is None."""
     if casts is None:
-        return (a @ b).to(out_dtype)
+        return in_dtype(a @ b, out_dtype)
     (a_data, a_scale), (b_data, b_scale) = cast_operands(a, b, casts)
     return scaled_matmul(a_data, a_scale, b_data, b_scale, out_dtype, emulate)
 

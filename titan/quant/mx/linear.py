@@ -25,7 +25,7 @@ from torch import Tensor
 from titan.quant.formats import E4M3, MX_BLOCK_SIZE
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.mx.numerics import ScaleRounding, dequantize, quantize_codes
-from titan.quant.quantized_linear import QuantizedLinear, multiply_shards
+from titan.quant.quantized_linear import QuantizedLinear, in_dtype, multiply_shards
 
 RECIPES: dict[str, ScaleRounding] = {"mxfp8": "floor", "mxfp8_rceil": "rceil"}
 """MX recipes, by their scale rounding (titan/quant/mx/numerics.py): E4M3 elements in all three matmuls, blocks of
@@ -40,7 +40,7 @@ def native_mx_mm(a_codes: Tensor, a_data: Tensor, b_codes: Tensor, b_data: Tenso
     b_column_major = b_data.t().contiguous().t()
     # Block-scaled cuBLAS GEMMs write bf16; cast afterwards for fp32 training.
     out = torch._scaled_mm(a_data.contiguous(), b_column_major, a_scales, b_scales, out_dtype=torch.bfloat16)
-    return out.to(out_dtype)
+    return in_dtype(out, out_dtype)
 
 
 def local_mx_mm(a: Tensor, b: Tensor, emulate: bool, rounding: ScaleRounding) -> Tensor:

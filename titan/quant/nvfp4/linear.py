@@ -30,7 +30,7 @@ from torch import Tensor
 from titan.quant.formats import E4M3, NVFP4_BLOCK_SIZE, NVFP4_CONTRACTION_MULTIPLE
 from titan.quant.mx.blocked import to_blocked
 from titan.quant.nvfp4.numerics import NVFP4, dequantize, quantize, quantize_2d, rotate
-from titan.quant.quantized_linear import QuantizedLinear, multiply_shards
+from titan.quant.quantized_linear import QuantizedLinear, in_dtype, multiply_shards
 
 WGRAD_RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 """The Hadamard transform's signs: the vector NVIDIA's Transformer Engine hard-codes (get_wgrad_sign_vector).
@@ -110,7 +110,7 @@ class NVFP4Matmul(torch.autograd.Function):
         ctx.save_for_backward(x_bf16, weight_bf16)
         ctx.rht_signs, ctx.emulate, ctx.dtypes = rht_signs, emulate, (x.dtype, weight.dtype)
         out = multiply_shards(x_bf16, weight_bf16.t(), partial(output_mm, emulate=emulate), "NVFP4")
-        return out.to(x.dtype)
+        return in_dtype(out, x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
