@@ -4,7 +4,7 @@ same matmuls composed from them, and the experts against torchao's emulated bloc
 quantizers given CPU kernels from its own references: tests/harness/torchao_blockwise.py). Also the ceil-sized grid
 at the edges, the conversion's skips and report, and the config's refusals. The native path's layouts go
 through torch's checks of F.scaled_mm on the simulated H100: tests/test_dry_run.py. Compiled against eager:
-tests/test_compiled_linears.py.
+tests/test_compiled_low_precision.py.
 
 Needs torchao (the `test` extra), so it is not in the torch 2.11 subset of .ci/run. torchao prints "Failed to load
 ..._C_mxfp8..." on import on CPU: its CUDA extensions, which nothing here uses.

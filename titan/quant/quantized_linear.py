@@ -36,7 +36,7 @@ def multiply_shards(a: Tensor, b: Tensor, local_mm: Callable[[Tensor, Tensor], T
 def in_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x in `dtype`, without the no-op `.to` when it is already: torch 2.11 compiles an autograd.Function whose forward
     returns a no-op `.to(...)` into one whose backward yields zero gradients, silently (fixed by 2.13). Every
-    recipe's matmul output goes through this (tests/test_compiled_linears.py)."""
+    recipe's matmul output goes through this (tests/test_compiled_low_precision.py)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 
