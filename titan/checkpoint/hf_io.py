@@ -224,8 +224,7 @@ def fp8_blocks(config: dict, tensors: dict[str, tuple[Path, torch.Size, str]], f
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(n, int) and n > 0 for n in block)):
         raise ConfigError([*problems, f"{where} has weight_block_size {block!r}: blockwise FP8 weights need the "
                                       f"[rows, columns] of their scales' blocks ([128, 128] in DeepSeek-V3's)."])
-    weights = {name: scale for name, (_, _, dtype) in tensors.items() if dtype == FP8_DTYPE
-               for scale in [f"{name}{SCALE_SUFFIX}"]}
+    weights = {name: f"{name}{SCALE_SUFFIX}" for name, (_, _, dtype) in tensors.items() if dtype == FP8_DTYPE}
     missing = [name for name, scale in weights.items() if scale not in tensors]
     if missing:
         problems.append(f"{folder} has {len(missing)} FP8 weights without their scales: {missing[:8]}"
@@ -258,7 +257,8 @@ def inspect_folder(folder: Path, args: DecoderArgs) -> Inspected:
     tensors = skip_extra_layers(read_headers(weight_files(folder)), args, folder)
     fp8 = fp8_blocks(config, tensors, folder)
     if fp8 is not None:  # the scales are no model tensors: their weights are
-        tensors = {name: value for name, value in tensors.items() if name not in set(fp8.scales.values())}
+        scales = set(fp8.scales.values())
+        tensors = {name: value for name, value in tensors.items() if name not in scales}
     transforms = import_transforms(args, tensors)
     # Tied checkpoints (Meta's Llama 3.2 1B and 3B, Qwen3 0.6B to 4B) store only the embedding. A tied Qwen3's
     # state dict lists output.weight too (the same tensor, or a copy where the caller built it apart); Titan's Llama
